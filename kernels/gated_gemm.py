@@ -1,0 +1,245 @@
+"""Fused gated GEMM in Triton: out[M, I] = act(x @ Wg^T + bg) * (x @ Wu^T + bu).
+
+Layout (see `layout.py`): the weight is the packed ``gate_up_interleaved`` [N = 2*I, K],
+gate and up rows interleaved in blocks of GATE_UP_BLOCK = 16 (gate row i at packed row
+2*16*(i // 16) + i % 16, up row i right after its block's gate rows; a partial last block
+holds r gate rows then r up rows). The optional bias is [2*I] in the same layout.
+
+Each program computes one [BLOCK_SIZE_M, BLOCK_SIZE_N] tile of the output: it loads the
+BLOCK_SIZE_N gate rows and the BLOCK_SIZE_N matching up rows of the packed weight (row
+indices computed from the layout, so any I works, block-aligned or not), runs two fp32
+accumulators over K, adds the bias in fp32, applies the activation to the gate accumulator
+in fp32, multiplies by the up accumulator and rounds once to x's dtype on the single store
+of [M, I]. The [M, 2*I] pre-activation never reaches memory.
+
+dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 dots use
+tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .activations import ACTIVATION_CODES, check_activation
+from .layout import GATE_UP_BLOCK
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _apply_activation(gate, ACTIVATION: tl.constexpr):
+    """act(gate) in fp32; codes follow `activations.ACTIVATION_CODES`."""
+    if ACTIVATION == 0:  # silu
+        out = gate * _sigmoid(gate)
+    elif ACTIVATION == 1:  # gelu_tanh, tanh(z) = 2 * sigmoid(2z) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = gate * _sigmoid(2.0 * inner)  # 0.5 * g * (1 + tanh(inner))
+    else:  # gelu (erf)
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return out
+
+
+@triton.jit
+def _gated_gemm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, I, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_om, stride_oi,
+    M_BUCKET,  # only an autotuning key
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
+    num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    # -- which packed rows hold this tile's gate and up rows --
+    offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+    offs_i = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    block_start = (offs_i // GATE_UP_BLOCK) * GATE_UP_BLOCK
+    width = tl.minimum(I - block_start, GATE_UP_BLOCK)
+    gate_rows = (offs_i + block_start).to(tl.int64)  # 2 * block_start + (offs_i - block_start)
+    up_rows = gate_rows + width
+    mask_m = offs_m < M
+    mask_i = offs_i < I
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_SIZE_M, BLOCK_SIZE_K]
+    wg_ptrs = w_ptr + gate_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+    wu_ptrs = w_ptr + up_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+
+    # -- main loop: two fp32 accumulators over K --
+    acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_left = K - k * BLOCK_SIZE_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(wg_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        wu = tl.load(wu_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        acc_gate = tl.dot(x, wg, acc_gate, input_precision=INPUT_PRECISION)
+        acc_up = tl.dot(x, wu, acc_up, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_SIZE_K * stride_xk
+        wg_ptrs += BLOCK_SIZE_K * stride_wk
+        wu_ptrs += BLOCK_SIZE_K * stride_wk
+
+    # -- epilogue: bias, act(gate) * up in fp32, one rounding, one store --
+    if HAS_BIAS:
+        acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    h = _apply_activation(acc_gate, ACTIVATION) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
+
+
+@dataclass(frozen=True)
+class GatedGemmConfig:
+    """One launch configuration of `_gated_gemm_fwd_kernel`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def meta(self) -> dict:
+        """The kernel's tile meta-parameters."""
+        return dict(
+            BLOCK_SIZE_M=self.block_m, BLOCK_SIZE_N=self.block_n, BLOCK_SIZE_K=self.block_k,
+            GROUP_SIZE_M=self.group_m,
+        )
+
+    def triton_config(self) -> triton.Config:
+        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+def m_bucket(m: int) -> int:
+    """The power of two >= m, capped at 8192: configs are chosen per bucket, not per M."""
+    return min(1 << max(m - 1, 0).bit_length(), 8192)
+
+
+# Defaults per M bucket (Hopper, bf16/fp16). fp32 halves BLOCK_SIZE_K to fit shared memory.
+_DEFAULTS: dict[int, GatedGemmConfig] = {
+    16: GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
+    64: GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
+    256: GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+    8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+}
+
+_AUTOTUNE_CONFIGS = [
+    c.triton_config()
+    for c in [
+        GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
+        GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
+        GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=4),
+        GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
+        GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+        GatedGemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+        GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+        GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+        GatedGemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    ]
+]
+_gated_gemm_fwd_autotuned = triton.autotune(
+    configs=_AUTOTUNE_CONFIGS, key=["M_BUCKET", "I", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]
+)(_gated_gemm_fwd_kernel)
+
+
+def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
+    """The shipped config for M tokens: the smallest bucket that holds m."""
+    bucket = m_bucket(m)
+    cfg = next(c for b, c in sorted(_DEFAULTS.items()) if bucket <= b or b == max(_DEFAULTS))
+    if dtype == torch.float32:
+        cfg = GatedGemmConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return cfg
+
+
+def interpreting() -> bool:
+    """True when this module's kernels run through Triton's CPU interpreter.
+
+    Triton decides when a kernel is decorated, so TRITON_INTERPRET=1 must be set before
+    this module is first imported.
+    """
+    return type(_gated_gemm_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    if dtype != torch.float32:
+        return "tf32"  # ignored by tl.dot for 16-bit operands
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def gated_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    activation: str = "silu",
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    autotune: bool = False,
+) -> torch.Tensor:
+    """Launch the fused gated GEMM on 2-D x.
+
+    Args:
+        x: [M, K], any strides, bf16/fp16/fp32.
+        packed: [2*I, K] interleaved gate/up weight, x's dtype and device, any strides.
+        activation: "silu", "gelu_tanh" or "gelu".
+        bias: optional [2*I] interleaved bias, x's dtype.
+        out: optional [M, I] output to write (any strides); allocated if None.
+        config: launch config; `default_config(M, dtype)` if None.
+        autotune: tune over `_AUTOTUNE_CONFIGS` (cached per M bucket, I, K) instead.
+
+    Returns:
+        out, [M, I] in x's dtype.
+    """
+    check_activation("gated_gemm", activation)
+    m, k = x.shape
+    n = packed.shape[0]
+    i = n // 2
+    if out is None:
+        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    args = (
+        x, packed, bias if bias is not None else packed, out,
+        m, i, k,
+        x.stride(0), x.stride(1),
+        packed.stride(0), packed.stride(1),
+        out.stride(0), out.stride(1),
+        m_bucket(m),
+    )
+    flags = dict(
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATION_CODES[activation],
+        INPUT_PRECISION=_input_precision(x.dtype),
+        GATE_UP_BLOCK=GATE_UP_BLOCK,
+    )
+    if autotune:
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE_M"]) * triton.cdiv(i, meta["BLOCK_SIZE_N"]),)
+        _gated_gemm_fwd_autotuned[grid](*args, **flags)
+    else:
+        cfg = config or default_config(m, x.dtype)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
+        _gated_gemm_fwd_kernel[grid](*args, **flags, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

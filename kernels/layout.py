@@ -1,0 +1,115 @@
+"""The packed gate/up layout: gate rows and up rows interleaved in blocks of GATE_UP_BLOCK.
+
+A gated MLP has gate and up weights of shape [I, K] (nn.Linear's [out, in]). The packed
+weight ``gate_up_interleaved`` is [N, K] with N = 2*I, built block by block: block b holds
+the w = min(G, I - b*G) gate rows b*G .. b*G+w-1, then the w matching up rows::
+
+    rows 0   .. G-1   : gate rows 0 .. G-1
+    rows G   .. 2G-1  : up   rows 0 .. G-1
+    rows 2G  .. 3G-1  : gate rows G .. 2G-1
+    rows 3G  .. 4G-1  : up   rows G .. 2G-1
+    ...
+    last block (I % G = r != 0): r gate rows, then r up rows
+
+So gate row i sits at packed row 2*G*(i // G) + i % G and up row i at that plus w, where w
+is the width of i's block. G = 16. Why 16:
+
+- one GEMM tile over a whole number of blocks sees each gate row beside its up row, so the
+  kernel computes act(gate) * up on its accumulators without touching memory;
+- a column (output-dim) shard of the packed weight, as tensor parallelism cuts it, never
+  separates a gate row from its up row when I / tp is a multiple of G: 16 divides I / 8 for
+  every listed model (Qwen2.5-72B's I = 29568 is 8 * 3696 = 8 * 16 * 231, which a block
+  of 128 would not divide);
+- on Hopper, wgmma's accumulator gives each thread columns in groups of 8, so a block of 16
+  keeps a gate value and its up partner in the same thread.
+
+The packing is a pure permutation of rows: `unpack_gate_up(pack_gate_up(g, u))` returns
+tensors equal to g and u bit for bit, in their dtype and on their device. Biases ([I] each)
+pack the same way into [2*I].
+"""
+
+from __future__ import annotations
+
+import torch
+
+GATE_UP_BLOCK = 16
+
+
+def gate_up_rows(intermediate: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed-row index of every gate row and every up row.
+
+    Args:
+        intermediate: I, the number of gate (and of up) rows.
+        device: where to build the index tensors.
+
+    Returns:
+        (gate_rows, up_rows): int64 tensors of shape [I]; ``packed[gate_rows[i]]`` is gate
+        row i and ``packed[up_rows[i]]`` is up row i.
+    """
+    i = torch.arange(intermediate, device=device)
+    block_start = (i // GATE_UP_BLOCK) * GATE_UP_BLOCK
+    width = torch.clamp(intermediate - block_start, max=GATE_UP_BLOCK)
+    gate = 2 * block_start + (i - block_start)
+    return gate, gate + width
+
+
+def _check_pair(fn: str, gate: torch.Tensor, up: torch.Tensor) -> None:
+    if gate.shape != up.shape:
+        raise ValueError(f"{fn}: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dtype != up.dtype or gate.device != up.device:
+        raise TypeError(
+            f"{fn}: gate and up must share dtype and device, got {gate.dtype} on {gate.device} "
+            f"and {up.dtype} on {up.device}"
+        )
+    if gate.dim() not in (1, 2) or gate.shape[0] == 0:
+        raise ValueError(f"{fn}: expected weights [I, K] or biases [I] with I >= 1, got shape {tuple(gate.shape)}")
+
+
+def pack_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Interleave gate and up rows in blocks of GATE_UP_BLOCK (see the module docstring).
+
+    Args:
+        gate: [I, K] gate_proj weight (or [I] bias).
+        up: [I, K] up_proj weight (or [I] bias), same dtype and device as gate.
+
+    Returns:
+        A new contiguous [2*I, K] (or [2*I]) tensor in gate's dtype and device.
+
+    Raises:
+        ValueError: shapes differ or are not 1-D/2-D.
+        TypeError: dtypes or devices differ.
+    """
+    _check_pair("pack_gate_up", gate, up)
+    intermediate = gate.shape[0]
+    tail = gate.shape[1:]
+    packed = torch.empty((2 * intermediate, *tail), dtype=gate.dtype, device=gate.device)
+    full = intermediate - intermediate % GATE_UP_BLOCK  # rows in whole blocks
+    if full:
+        blocks = packed[: 2 * full].view(full // GATE_UP_BLOCK, 2, GATE_UP_BLOCK, *tail)
+        blocks[:, 0] = gate[:full].reshape(full // GATE_UP_BLOCK, GATE_UP_BLOCK, *tail)
+        blocks[:, 1] = up[:full].reshape(full // GATE_UP_BLOCK, GATE_UP_BLOCK, *tail)
+    rest = intermediate - full  # the last, partial block: rest gate rows, then rest up rows
+    if rest:
+        packed[2 * full : 2 * full + rest] = gate[full:]
+        packed[2 * full + rest :] = up[full:]
+    return packed
+
+
+def unpack_gate_up(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact inverse of `pack_gate_up`.
+
+    Args:
+        packed: [2*I, K] (or [2*I]) tensor in the interleaved layout.
+
+    Returns:
+        (gate, up): new contiguous [I, K] (or [I]) tensors, bit-identical to what was packed.
+
+    Raises:
+        ValueError: packed is not 1-D/2-D or its first dimension is odd.
+    """
+    if packed.dim() not in (1, 2) or packed.shape[0] % 2 or packed.shape[0] == 0:
+        raise ValueError(
+            f"unpack_gate_up: expected a packed [2*I, K] weight or [2*I] bias, got shape {tuple(packed.shape)}"
+        )
+    gate_rows, up_rows = gate_up_rows(packed.shape[0] // 2, device=packed.device)
+    return packed.index_select(0, gate_rows), packed.index_select(0, up_rows)

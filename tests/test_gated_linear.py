@@ -1,0 +1,170 @@
+"""gated_linear and the Triton kernel against a float64 reference.
+
+Pass rule (quack's): the relative error of ours against float64 is at most twice that of
+PyTorch's own same-dtype computation (two GEMMs, act, mul, as HF eager does) plus a small
+per-dtype epsilon. On CPU the kernel runs through TRITON_INTERPRET=1, fp16/fp32 only
+(Triton 3.9's interpreter gets bf16 tl.dot wrong, FACTS.md); bf16 runs on the GPU.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swiglu_patch import gated_linear, pack_gate_up
+from swiglu_patch.kernels.gated_gemm import GatedGemmConfig, gated_gemm
+
+CUDA = torch.cuda.is_available()
+ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
+EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def make_case(m, k, i, dtype, bias, device=DEVICE):
+    """Fresh random inputs; gate/up scaled so pre-activations are O(1)."""
+    x = torch.randn(m, k, device=device).to(dtype)
+    gate = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
+    up = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
+    bg = torch.randn(i, device=device).to(dtype) if bias else None
+    bu = torch.randn(i, device=device).to(dtype) if bias else None
+    return x, gate, up, bg, bu
+
+
+def reference64(x, gate, up, bg, bu, act):
+    g = x.double() @ gate.double().T + (bg.double() if bg is not None else 0)
+    u = x.double() @ up.double().T + (bu.double() if bu is not None else 0)
+    return ACTS[act](g) * u
+
+
+def torch_same_dtype(x, gate, up, bg, bu, act):
+    return ACTS[act](F.linear(x, gate, bg)) * F.linear(x, up, bu)
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def check(ours, x, gate, up, bg, bu, act):
+    ref = reference64(x, gate, up, bg, bu, act)
+    assert ours.shape == ref.shape and ours.dtype == x.dtype
+    assert torch.isfinite(ours).all(), "non-finite output (unwritten element or overflow)"
+    bound = 2 * rel_err(torch_same_dtype(x, gate, up, bg, bu, act), ref) + EPS[x.dtype]
+    assert rel_err(ours, ref) <= bound, f"error {rel_err(ours, ref):.3g} > bound {bound:.3g}"
+
+
+SHAPES = [(1, 64, 48), (7, 50, 37), (199, 130, 100)] + ([(4096, 256, 200)] if CUDA else [])
+
+
+@pytest.mark.parametrize("m,k,i", SHAPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_float64(m, k, i, dtype, act, bias):
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
+    packed = pack_gate_up(gate, up)
+    packed_b = pack_gate_up(bg, bu) if bias else None
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)  # poisoned: unwritten stays NaN
+    gated_gemm(x, packed, act, packed_b, out=out)
+    check(out, x, gate, up, bg, bu, act)
+
+
+@pytest.mark.parametrize(
+    "config", [GatedGemmConfig(16, 16, 16, group_m=2), GatedGemmConfig(32, 32, 32, group_m=1)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_many_tiles_and_k_steps(config, dtype):
+    """Small pinned tiles: many output tiles, grouped ordering, several K steps, masked tails."""
+    x, gate, up, bg, bu = make_case(45, 70, 53, dtype, bias=True)
+    out = torch.full((45, 53), float("nan"), dtype=dtype, device=DEVICE)
+    gated_gemm(x, pack_gate_up(gate, up), "silu", pack_gate_up(bg, bu), out=out, config=config)
+    check(out, x, gate, up, bg, bu, "silu")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_non_contiguous_and_leading_dims(backend, dtype):
+    x_full, gate, up, _, _ = make_case(2 * 3 * 5, 48, 40, dtype, bias=False)
+    x = x_full.view(6, 5, 48)[::2]  # [3, 5, 48], non-contiguous
+    assert not x.is_contiguous()
+    out = gated_linear(x, pack_gate_up(gate, up), "gelu_tanh", backend=backend)
+    assert out.shape == (3, 5, 40)
+    check(out.reshape(-1, 40), x.reshape(-1, 48), gate, up, None, None, "gelu_tanh")
+    # a column-strided x: every other feature of a wider tensor
+    xs = torch.randn(9, 96, device=DEVICE).to(dtype)[:, ::2]
+    check(gated_linear(xs, pack_gate_up(gate, up), "silu", backend=backend), xs, gate, up, None, None, "silu")
+
+
+@pytest.mark.parametrize("m", [1, 7, 600])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", list(ACTS))
+def test_torch_reference_matches_float64(m, dtype, act):
+    x, gate, up, bg, bu = make_case(m, 40, 33, dtype, bias=True, device="cpu")
+    out = gated_linear(x, pack_gate_up(gate, up), act, pack_gate_up(bg, bu), backend="torch")
+    check(out, x, gate, up, bg, bu, act)
+
+
+def test_torch_reference_is_differentiable():
+    x, gate, up, _, _ = make_case(5, 16, 20, torch.float64, bias=False, device="cpu")
+    packed = pack_gate_up(gate, up).requires_grad_()
+    x.requires_grad_()
+    torch.autograd.gradcheck(lambda a, w: gated_linear(a, w, "silu", backend="torch"), (x, packed))
+
+
+def test_triton_refuses_to_drop_gradients():
+    x, gate, up, _, _ = make_case(4, 16, 16, torch.float32, bias=False)
+    packed = pack_gate_up(gate, up).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no backward"):
+        gated_linear(x, packed, backend="triton")
+    with torch.no_grad():
+        gated_linear(x, packed, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA: tf32 only exists on the GPU")
+def test_fp32_respects_allow_tf32():
+    x, gate, up, _, _ = make_case(256, 1024, 512, torch.float32, bias=False)
+    packed = pack_gate_up(gate, up)
+    ref = reference64(x, gate, up, None, None, "silu")
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert rel_err(gated_linear(x, packed), ref) < 1e-5  # tf32 would give ~1e-4..1e-3
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert rel_err(gated_linear(x, packed), ref) > 1e-5
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_bad_arguments_name_the_problem():
+    x, gate, up, _, _ = make_case(3, 16, 16, torch.float32, bias=False)
+    packed = pack_gate_up(gate, up)
+    with pytest.raises(ValueError, match="last dim 16"):
+        gated_linear(x[:, :15], packed)
+    with pytest.raises(TypeError, match="match x's dtype"):
+        gated_linear(x.half(), packed)
+    with pytest.raises(NotImplementedError, match="supported: silu, gelu_tanh, gelu"):
+        gated_linear(x, packed, activation="relu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gated_linear(x, packed, backend="cuda")
+    with pytest.raises(ValueError, match=r"bias must be \[32\]"):
+        gated_linear(x, packed, bias=torch.zeros(31, device=DEVICE))
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        gated_linear(x.double(), packed.double(), backend="triton")
+    with pytest.raises(TypeError, match="floating-point"):
+        gated_linear(x.int(), packed.int())
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU error when Triton's interpreter is off")
+def test_triton_on_cpu_without_interpreter_explains():
+    code = (
+        "import torch; from swiglu_patch import gated_linear\n"
+        "try:\n gated_linear(torch.randn(2, 16), torch.randn(32, 16), backend='triton')\n"
+        "except RuntimeError as e: print(e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
