@@ -147,22 +147,31 @@ _DEFAULTS: dict[int, GatedGemmConfig] = {
     8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
 }
 
-_AUTOTUNE_CONFIGS = [
-    c.triton_config()
-    for c in [
-        GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
-        GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
-        GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=4),
-        GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
-        GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-        GatedGemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-        GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
-        GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-        GatedGemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    ]
+# Candidates for autotuning and for `benchmarks/tune_kernel.py`, which picks `_DEFAULTS`.
+CANDIDATE_CONFIGS: list[GatedGemmConfig] = [
+    # decode: few tokens, weight-bandwidth bound; many programs over I, deep pipelines
+    GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=6),
+    GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+    GatedGemmConfig(16, 128, 128, num_warps=4, num_stages=4),
+    GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=4),
+    # middle
+    GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+    GatedGemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    # prefill: compute bound; two 128x128 fp32 accumulators = one 128x256 tile
+    GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GatedGemmConfig(128, 128, 64, group_m=16, num_warps=8, num_stages=4),
+    GatedGemmConfig(256, 64, 64, num_warps=8, num_stages=3),
+    GatedGemmConfig(128, 64, 128, num_warps=8, num_stages=3),
 ]
+
 _gated_gemm_fwd_autotuned = triton.autotune(
-    configs=_AUTOTUNE_CONFIGS, key=["M_BUCKET", "I", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]
+    configs=[c.triton_config() for c in CANDIDATE_CONFIGS], key=["M_BUCKET", "I", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]
 )(_gated_gemm_fwd_kernel)
 
 
@@ -208,7 +217,7 @@ def gated_gemm(
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
         config: launch config; `default_config(M, dtype)` if None.
-        autotune: tune over `_AUTOTUNE_CONFIGS` (cached per M bucket, I, K) instead.
+        autotune: tune over `CANDIDATE_CONFIGS` (cached per M bucket, I, K) instead.
 
     Returns:
         out, [M, I] in x's dtype.
