@@ -28,12 +28,31 @@ from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, 
 
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
 
+# TMA kernel tiles (block_n = output columns; the weight box is 2 * block_n rows), each tried
+# with and without warp specialization.
+TMA_CONFIGS = [
+    GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
+    GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4),
+    GatedGemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=2),
+]
 
-def applicable(cfg: GatedGemmConfig, m: int) -> bool:
-    """Skip pairings that cannot win: tiny tiles at prefill, 128-row tiles at decode."""
-    if m >= 512 and cfg.block_m < 64:
-        return False
-    return not (m <= 16 and cfg.block_m > 32)
+
+def variants(m: int) -> list[tuple[str, dict]]:
+    """(label, gated_gemm kwargs) worth timing at m tokens: tiny tiles never at prefill,
+    128-row tiles never at decode, TMA only from 64 tokens."""
+    out = [
+        (f"ptr {c}", dict(kernel="pointer", config=c))
+        for c in CANDIDATE_CONFIGS
+        if not (m >= 512 and c.block_m < 64) and not (m <= 16 and c.block_m > 32)
+    ]
+    if m >= 64:
+        out += [
+            (f"tma ws={ws} {c}", dict(kernel="tma", config=c, warp_specialize=ws))
+            for c in TMA_CONFIGS for ws in (False, True)
+        ]
+    return out
 
 
 def rel_err_rows(out, x, gate, up, act, rows):
@@ -47,6 +66,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=None)
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
     args = ap.parse_args()
@@ -62,16 +82,16 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
             t_gemm = triton.testing.do_bench(lambda: x @ packed.T, warmup=10, rep=args.rep_ms, return_mode="median")
-            for cfg in CANDIDATE_CONFIGS:
-                if not applicable(cfg, m):
+            for label, kw in variants(m):
+                if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
                 out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")
                 t0 = time.perf_counter()
                 try:
-                    gated_gemm(x, packed, shape.activation, out=out, config=cfg)
+                    gated_gemm(x, packed, shape.activation, out=out, **kw)
                     torch.cuda.synchronize()
                 except Exception as e:  # out of shared memory or registers: record, go on
-                    rows_out.append(dict(shape=shape.name, m=m, config=cfg.__dict__, error=repr(e)[:200]))
+                    rows_out.append(dict(shape=shape.name, m=m, config=label, error=repr(e)[:300]))
                     continue
                 first_call_s = time.perf_counter() - t0
                 err = rel_err_rows(out, x, gate, up, shape.activation, rows)
@@ -79,11 +99,11 @@ def main() -> None:
                 t = float("nan")
                 if ok:
                     t = triton.testing.do_bench(
-                        lambda: gated_gemm(x, packed, shape.activation, out=out, config=cfg),
+                        lambda: gated_gemm(x, packed, shape.activation, out=out, **kw),
                         warmup=10, rep=args.rep_ms, return_mode="median",
                     )
                 rows_out.append(dict(
-                    shape=shape.name, m=m, bucket=m_bucket(m), config=cfg.__dict__, rel_err=err, ok=ok,
+                    shape=shape.name, m=m, bucket=m_bucket(m), config=label, rel_err=err, ok=ok,
                     ms=t, gemm_only_ms=t_gemm, ratio=t / t_gemm, first_call_s=first_call_s,
                 ))
             best = min((r for r in rows_out if r.get("shape") == shape.name and r["m"] == m and r.get("ok")),
@@ -99,7 +119,9 @@ def main() -> None:
     by_bucket: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows_out:
         if r.get("ok"):
-            by_bucket[r["bucket"]][json.dumps(r["config"])].append(math.log(r["ratio"]))
+            by_bucket[r["bucket"]][r["config"]].append(math.log(r["ratio"]))
+    errors = sorted({r["config"] + ": " + r["error"] for r in rows_out if "error" in r})
+    print(f"\n{len(errors)} variants failed to run:" + "".join("\n  " + e for e in errors[:10]))
     print("\nbest config per M bucket (geometric-mean ratio to gemm_only over shapes):")
     for bucket in sorted(by_bucket):
         n_shapes = max(len(v) for v in by_bucket[bucket].values())

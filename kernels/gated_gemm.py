@@ -19,6 +19,7 @@ tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -139,12 +140,13 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 8192)
 
 
-# Defaults per M bucket (Hopper, bf16/fp16). fp32 halves BLOCK_SIZE_K to fit shared memory.
+# Defaults per M bucket: the best geometric mean over the six benchmark shapes, bf16 on an
+# H100, from `python -m benchmarks.tune_kernel` (benchmarks/results/tune_h100_bf16.log).
+# fp32 halves BLOCK_SIZE_K to fit shared memory.
 _DEFAULTS: dict[int, GatedGemmConfig] = {
-    16: GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
-    64: GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
-    256: GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-    8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    16: GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
+    64: GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=4),
+    8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
 }
 
 # Candidates for autotuning and for `benchmarks/tune_kernel.py`, which picks `_DEFAULTS`.
@@ -184,6 +186,24 @@ def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
     return cfg
 
 
+# The TMA kernel's tile (output columns: the weight box is 2 * block_n rows) and threshold.
+TMA_DEFAULT = GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
+TMA_MIN_M = 128
+
+
+@lru_cache(maxsize=8)
+def _is_hopper_or_newer(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> bool:
+    if x.shape[0] < TMA_MIN_M or not x.is_cuda or not _is_hopper_or_newer(x.device.index or 0):
+        return False
+    from .gated_gemm_tma import tma_supported
+
+    return tma_supported(x, packed, out)
+
+
 def interpreting() -> bool:
     """True when this module's kernels run through Triton's CPU interpreter.
 
@@ -207,6 +227,8 @@ def gated_gemm(
     out: torch.Tensor | None = None,
     config: GatedGemmConfig | None = None,
     autotune: bool = False,
+    kernel: str = "auto",
+    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """Launch the fused gated GEMM on 2-D x.
 
@@ -217,7 +239,10 @@ def gated_gemm(
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
         config: launch config; `default_config(M, dtype)` if None.
-        autotune: tune over `CANDIDATE_CONFIGS` (cached per M bucket, I, K) instead.
+        autotune: tune the pointer kernel over `CANDIDATE_CONFIGS` (cached per M bucket, I, K).
+        kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
+            or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
+        warp_specialize: TMA kernel only: split loads and MMAs across warp groups.
 
     Returns:
         out, [M, I] in x's dtype.
@@ -244,6 +269,11 @@ def gated_gemm(
         INPUT_PRECISION=_input_precision(x.dtype),
         GATE_UP_BLOCK=GATE_UP_BLOCK,
     )
+    if kernel == "tma" or (kernel == "auto" and not autotune and config is None and _use_tma(x, packed, out)):
+        from .gated_gemm_tma import gated_gemm_tma
+
+        cfg = config or TMA_DEFAULT
+        return gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg, warp_specialize=warp_specialize)
     if autotune:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE_M"]) * triton.cdiv(i, meta["BLOCK_SIZE_N"]),)
         _gated_gemm_fwd_autotuned[grid](*args, **flags)

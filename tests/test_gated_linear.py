@@ -168,3 +168,39 @@ def test_triton_on_cpu_without_interpreter_explains():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
+
+
+TMA_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
+TMA_CONFIG = None if CUDA else GatedGemmConfig(16, 16, 16, group_m=2)  # small tiles: many in the interpreter
+
+
+@pytest.mark.parametrize("m,k,i", [(1, 64, 48), (37, 72, 64), (300, 136, 96)] + ([(4096, 512, 384)] if CUDA else []))
+@pytest.mark.parametrize("dtype", TMA_DTYPES)
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_kernel_matches_float64(m, k, i, dtype, act, bias):
+    from swiglu_patch.kernels.gated_gemm_tma import tma_supported
+
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
+    packed = pack_gate_up(gate, up)
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
+    assert tma_supported(x, packed, out)
+    gated_gemm(x, packed, act, pack_gate_up(bg, bu) if bias else None, out=out, config=TMA_CONFIG, kernel="tma")
+    check(out, x, gate, up, bg, bu, act)
+
+
+def test_tma_kernel_strided_rows():
+    x_full, gate, up, _, _ = make_case(90, 64, 32, torch.float16, bias=False)
+    x = x_full[::3]  # row stride 3*K: still TMA-aligned
+    out = torch.full((30, 32), float("nan"), dtype=torch.float16, device=DEVICE)
+    gated_gemm(x, pack_gate_up(gate, up), "silu", out=out, config=TMA_CONFIG, kernel="tma")
+    check(out, x, gate, up, None, None, "silu")
+
+
+def test_tma_refuses_partial_blocks_and_misaligned_rows():
+    from swiglu_patch.kernels.gated_gemm_tma import tma_supported
+
+    x, gate, up, _, _ = make_case(8, 64, 40, torch.float16, bias=False)  # I = 40: a partial block
+    assert not tma_supported(x, pack_gate_up(gate, up), None)
+    x, gate, up, _, _ = make_case(8, 60, 48, torch.float16, bias=False)  # K*2 bytes not a multiple of 16
+    assert not tma_supported(x, pack_gate_up(gate, up), None)

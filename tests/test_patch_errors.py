@@ -78,9 +78,10 @@ def test_unknown_backend():
 
 
 def test_kernel_forward_with_trainable_weights_raises():
-    model = tiny_model("llama")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model("llama", device=device)
     apply_fused_mlp(model, backend="triton")
-    ids = torch.randint(3, 100, (1, 5))
+    ids = torch.randint(3, 100, (1, 5), device=device)
     with pytest.raises(NotImplementedError, match=r"no backward yet.*torch.inference_mode"):
         model(ids)
     with torch.inference_mode():
