@@ -12,6 +12,7 @@ the best geometric-mean ratio to `gemm_only` across shapes: the table `_DEFAULTS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -49,7 +50,7 @@ def variants(m: int) -> list[tuple[str, dict]]:
     ]
     if m >= 64:
         out += [
-            (f"tma ws={ws} {c}", dict(kernel="tma", config=c, warp_specialize=ws))
+            (f"tma {c}", dict(kernel="tma", config=dataclasses.replace(c, warp_specialize=ws)))
             for c in TMA_CONFIGS for ws in (False, True)
         ]
     return out

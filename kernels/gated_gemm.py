@@ -123,6 +123,7 @@ class GatedGemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -177,18 +178,27 @@ _gated_gemm_fwd_autotuned = triton.autotune(
 )(_gated_gemm_fwd_kernel)
 
 
+def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
+    """The entry of the smallest bucket key that holds m (the largest key for any bigger m)."""
+    return table[min((b for b in table if b >= m_bucket(m)), default=max(table))]
+
+
 def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
-    """The shipped config for M tokens: the smallest bucket that holds m."""
-    bucket = m_bucket(m)
-    cfg = next(c for b, c in sorted(_DEFAULTS.items()) if bucket <= b or b == max(_DEFAULTS))
+    """The shipped pointer-kernel config for M tokens."""
+    cfg = _for_bucket(_DEFAULTS, m)
     if dtype == torch.float32:
         cfg = GatedGemmConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.group_m, cfg.num_warps, cfg.num_stages)
     return cfg
 
 
-# The TMA kernel's tile (output columns: the weight box is 2 * block_n rows) and threshold.
-TMA_DEFAULT = GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
-TMA_MIN_M = 128
+# The TMA kernel's tiles per M bucket (block_n = output columns: the weight box is 2 * block_n
+# rows) and the M from which it beats the pointer kernel; H100 bf16 sweep of
+# `benchmarks.tune_kernel --kernels tma` (benchmarks/results/tune_tma_h100_bf16.log).
+_TMA_DEFAULTS: dict[int, GatedGemmConfig] = {
+    512: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True),
+    8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True),
+}
+TMA_MIN_M = 65
 
 
 @lru_cache(maxsize=8)
@@ -228,7 +238,6 @@ def gated_gemm(
     config: GatedGemmConfig | None = None,
     autotune: bool = False,
     kernel: str = "auto",
-    warp_specialize: bool = False,
 ) -> torch.Tensor:
     """Launch the fused gated GEMM on 2-D x.
 
@@ -242,7 +251,6 @@ def gated_gemm(
         autotune: tune the pointer kernel over `CANDIDATE_CONFIGS` (cached per M bucket, I, K).
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
             or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
-        warp_specialize: TMA kernel only: split loads and MMAs across warp groups.
 
     Returns:
         out, [M, I] in x's dtype.
@@ -272,8 +280,8 @@ def gated_gemm(
     if kernel == "tma" or (kernel == "auto" and not autotune and config is None and _use_tma(x, packed, out)):
         from .gated_gemm_tma import gated_gemm_tma
 
-        cfg = config or TMA_DEFAULT
-        return gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg, warp_specialize=warp_specialize)
+        cfg = config or _for_bucket(_TMA_DEFAULTS, m)
+        return gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg)
     if autotune:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE_M"]) * triton.cdiv(i, meta["BLOCK_SIZE_N"]),)
         _gated_gemm_fwd_autotuned[grid](*args, **flags)

@@ -113,7 +113,6 @@ def gated_gemm_tma(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GatedGemmConfig,
-    warp_specialize: bool = False,
     flatten: bool = True,
 ) -> torch.Tensor:
     """Launch the TMA kernel; arguments as `gated_gemm`'s, already checked by `tma_supported`."""
@@ -130,7 +129,7 @@ def gated_gemm_tma(
         m, i, k,
         HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config.group_m,
-        NUM_PROGRAMS=programs, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
+        NUM_PROGRAMS=programs, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=flatten,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -1,0 +1,102 @@
+"""Checks every way against a float64 reference before it is timed.
+
+The reference is computed on a few rows of x, in float64, on the benchmark's device, from
+the *unpacked* gate and up weights (the [I, K] tensors the packed weight was built from), with
+the activation written out here from its formula, so it shares no code with the product:
+
+    gated  = act(x64 @ Wg64^T) * (x64 @ Wu64^T)          -> [rows, I]
+    preact = [x64 @ Wg64^T, x64 @ Wu64^T]                 -> [rows, 2I]  (for gemm_only)
+
+The error is relative in the Frobenius norm over the checked rows:
+||out - ref|| / ||ref||. A way whose error exceeds the bound of its dtype is flagged as
+failed and not timed.
+
+Bounds, and why: every way computes in fp32 from inputs exact in its dtype, then rounds.
+Rounding the output alone costs about u/sqrt(3) in this norm (u = unit roundoff: 2^-8 bf16,
+2^-11 fp16); HF eager also rounds both pre-activations, so its error is about twice that. On
+N(0, 1) pre-activations the CPU dry run measures 2e-3 to 5e-3 in bf16 and 2e-4 to 5e-4 in
+fp16 (ours lowest, eager highest). The bounds are 4u (bf16 1.6e-2, fp16 2.0e-3): 3x or more
+above every correct way and far below what a wrong layout, a wrong activation or a dropped
+K-tile gives (errors of order 1). fp32 allows TF32 (u = 2^-11) in case a run turns it
+on; torch and the kernel default to IEEE fp32 and measure about 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+REL_ERR_BOUNDS: dict[torch.dtype, float] = {
+    torch.bfloat16: 4 * 2.0**-8,  # 1.6e-2
+    torch.float16: 4 * 2.0**-11,  # 2.0e-3
+    torch.float32: 4 * 2.0**-11,  # 2.0e-3, TF32's unit roundoff
+}
+
+
+def activation_f64(g: torch.Tensor, activation: str) -> torch.Tensor:
+    """The activation from its formula, in float64.
+
+    Raises:
+        ValueError: an activation this reference does not know.
+    """
+    if activation == "silu":
+        return g / (1.0 + torch.exp(-g))
+    if activation == "gelu_tanh":
+        return 0.5 * g * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    if activation == "gelu":
+        return 0.5 * g * (1.0 + torch.erf(g / math.sqrt(2.0)))
+    raise ValueError(f"activation_f64: unknown activation {activation!r}; known: silu, gelu_tanh, gelu")
+
+
+def check_rows(m: int, count: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Row indices to check: the first and last row and random ones, at most `count`, sorted.
+
+    Returns:
+        int64 CPU tensor of unique indices in [0, m).
+    """
+    if m <= count:
+        return torch.arange(m)
+    picks = torch.randperm(m - 2, generator=generator)[: count - 2] + 1
+    return torch.cat([torch.tensor([0, m - 1]), picks]).unique()  # unique() sorts
+
+
+class Reference:
+    """float64 gate/up weights of one shape, kept while its token counts are run.
+
+    Args:
+        gate: [I, K] gate weight, any float dtype.
+        up: [I, K] up weight.
+        activation: the gate's activation.
+    """
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, activation: str):
+        self.gate = gate.to(torch.float64)
+        self.up = up.to(torch.float64)
+        self.activation = activation
+
+    def preact(self, x_rows: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] float64: x @ [Wg; Wu]^T, gate columns first (the stacked weight's order)."""
+        x64 = x_rows.to(torch.float64)
+        return torch.cat([x64 @ self.gate.T, x64 @ self.up.T], dim=1)
+
+    def gated(self, x_rows: torch.Tensor) -> torch.Tensor:
+        """[rows, I] float64: act(x @ Wg^T) * (x @ Wu^T)."""
+        x64 = x_rows.to(torch.float64)
+        return activation_f64(x64 @ self.gate.T, self.activation) * (x64 @ self.up.T)
+
+
+def rel_error(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> float:
+    """||out - ref||_F / ||ref||_F in float64; inf if shapes differ or out is not finite.
+
+    Raises:
+        ValueError: the reference is all zeros (the relative error is undefined).
+    """
+    if tuple(out_rows.shape) != tuple(ref_rows.shape):
+        return math.inf
+    diff = out_rows.to(torch.float64) - ref_rows
+    denom = torch.linalg.vector_norm(ref_rows).item()
+    if denom == 0.0:
+        raise ValueError("rel_error: the reference rows are all zero; use random, non-zero inputs")
+    err = torch.linalg.vector_norm(diff).item() / denom
+    return err if math.isfinite(err) else math.inf
