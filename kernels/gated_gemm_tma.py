@@ -44,9 +44,8 @@ def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def _gated_gemm_tma_kernel(
-    x_desc, w_desc, out_desc, b_ptr,
-    M, I, K,
+def _gated_gemm_tma_tiles(
+    x_desc, w_desc, out_desc, b_ptr, M, I, K,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
@@ -58,6 +57,7 @@ def _gated_gemm_tma_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     FLATTEN: tl.constexpr,
 ):
+    """The persistent tile loop, shared by the host- and device-descriptor kernels."""
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
@@ -87,6 +87,42 @@ def _gated_gemm_tma_kernel(
         out_desc.store([offs_m, pid_n * BLOCK_SIZE_N], h.to(out_desc.dtype))
 
 
+@triton.jit
+def _gated_gemm_tma_kernel(
+    x_desc, w_desc, out_desc, b_ptr, M, I, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Host-built TMA descriptors."""
+    _gated_gemm_tma_tiles(
+        x_desc, w_desc, out_desc, b_ptr, M, I, K, HAS_BIAS, ACTIVATION, GATE_UP_BLOCK,
+        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN,
+    )
+
+
+@triton.jit
+def _gated_gemm_tma_devdesc_kernel(
+    x_ptr, w_ptr, out_ptr, b_ptr, M, I, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """TMA descriptors built on the device: the host passes plain pointers (less launch overhead)."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1], [2 * BLOCK_SIZE_N, BLOCK_SIZE_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
+    _gated_gemm_tma_tiles(
+        x_desc, w_desc, out_desc, b_ptr, M, I, K, HAS_BIAS, ACTIVATION, GATE_UP_BLOCK,
+        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN,
+    )
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-built TMA descriptors (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 @lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -114,22 +150,29 @@ def gated_gemm_tma(
     out: torch.Tensor,
     config: GatedGemmConfig,
     flatten: bool = True,
+    device_descriptors: bool = False,
 ) -> torch.Tensor:
     """Launch the TMA kernel; arguments as `gated_gemm`'s, already checked by `tma_supported`."""
     m, k = x.shape
     i = packed.shape[0] // 2
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    w_desc = TensorDescriptor.from_tensor(packed, [2 * bn, bk])
-    out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
     # one program per SM, whatever the tile count: a constant NUM_PROGRAMS compiles once
     programs = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    _gated_gemm_tma_kernel[(programs,)](
-        x_desc, w_desc, out_desc, bias if bias is not None else packed,
-        m, i, k,
+    meta = dict(
         HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config.group_m,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=flatten,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    b = bias if bias is not None else packed
+    if device_descriptors:
+        triton.set_allocator(_scratch)
+        _gated_gemm_tma_devdesc_kernel[(programs,)](
+            x, packed, out, b, m, i, k, x.stride(0), packed.stride(0), out.stride(0), **meta
+        )
+    else:
+        x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(packed, [2 * bn, bk])
+        out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
+        _gated_gemm_tma_kernel[(programs,)](x_desc, w_desc, out_desc, b, m, i, k, **meta)
     return out

@@ -1,0 +1,88 @@
+"""Host-side cost of one call, per way of launching the fused gated GEMM, next to cuBLAS.
+
+`host µs` is the wall time per call of many back-to-back calls on a tiny shape (GPU work of
+a few µs, so the host is the bottleneck); `GPU µs` is do_bench's median on a real shape, with
+the L2 flush do_bench does before each call: when the host takes longer than that flush, the
+gap shows up in the GPU time, which is why launch overhead matters at mid-size M.
+
+    python -m benchmarks.launch_overhead --out $OUT/overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from benchmarks.shapes import SHAPES
+from swiglu_patch import gated_linear, pack_gate_up
+from swiglu_patch.kernels.activations import ACTIVATION_CODES
+from swiglu_patch.kernels.gated_gemm import _TMA_DEFAULTS, default_config, gated_gemm
+from swiglu_patch.kernels.gated_gemm_tma import gated_gemm_tma
+
+
+def ways(x, packed, out):
+    m = x.shape[0]
+    tma_cfg = _TMA_DEFAULTS[max(_TMA_DEFAULTS)]
+    ptr_cfg = default_config(m, x.dtype)
+    silu = ACTIVATION_CODES["silu"]
+    return {
+        "cublas x @ W.T": lambda: x @ packed.T,
+        "gated_gemm pointer": lambda: gated_gemm(x, packed, "silu", out=out, config=ptr_cfg, kernel="pointer"),
+        "gated_gemm_tma host descriptors": lambda: gated_gemm_tma(x, packed, silu, None, out, tma_cfg),
+        "gated_gemm_tma device descriptors": lambda: gated_gemm_tma(
+            x, packed, silu, None, out, tma_cfg, device_descriptors=True
+        ),
+        "gated_gemm_tma device descriptors, no ws": lambda: gated_gemm_tma(
+            x, packed, silu, None, out, dataclasses.replace(tma_cfg, warp_specialize=False), device_descriptors=True
+        ),
+        "gated_linear (auto)": lambda: gated_linear(x, packed, "silu"),
+    }
+
+
+def host_us(fn, calls: int = 300) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
+    ap.add_argument("--tokens", nargs="*", type=int, default=[128, 256, 512, 2048])
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    dt = torch.bfloat16
+    rows = []
+    tiny_x = torch.randn(128, 256, device="cuda", dtype=dt)
+    tiny_w = torch.randn(512, 256, device="cuda", dtype=dt)
+    tiny_o = torch.empty(128, 256, device="cuda", dtype=dt)
+    for name, fn in ways(tiny_x, tiny_w, tiny_o).items():
+        rows.append(dict(way=name, host_us=host_us(fn)))
+        print(f"host  {name:42s} {rows[-1]['host_us']:7.1f} us/call", flush=True)
+    for shape in [s for s in SHAPES if s.name in ("llama-3.2-1b", "llama-3-8b")]:
+        w = pack_gate_up(*(torch.randn(2, shape.intermediate, shape.hidden, device="cuda", dtype=dt) * 0.02))
+        for m in args.tokens:
+            x = torch.randn(m, shape.hidden, device="cuda", dtype=dt)
+            out = torch.empty(m, shape.intermediate, device="cuda", dtype=dt)
+            for name, fn in ways(x, w, out).items():
+                t = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+                rows.append(dict(way=name, shape=shape.name, m=m, gpu_us=t))
+                print(f"gpu   {shape.name:12s} M={m:5d} {name:42s} {t:8.1f} us", flush=True)
+    (args.out / "launch_overhead.json").write_text(json.dumps(dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

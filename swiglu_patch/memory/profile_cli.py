@@ -1,0 +1,202 @@
+"""`swiglu-patch memory`: peak activation memory on CUDA, eager MLP against fused, measured and predicted.
+
+    python -m swiglu_patch.cli memory --out-dir benchmarks/results/memory_h100
+    swiglu-patch memory --model llama-3.1-8b --layers 2 --tokens 512,2048,8192 --batch-sizes 1
+
+For each model (random-init from its config unless a checkpoint's weights are given, truncated to
+--layers), measures one MLP forward and one full prefill forward (``logits_to_keep=1``,
+DynamicCache on) for every (batch, tokens), eager, then after ``apply_fused_mlp``, and prints them
+next to the prediction of :mod:`swiglu_patch.memory.activation_model`. With --out-dir writes
+memory_profile.json, memory_profile.md and memory_profile.png there. Without CUDA it says so and
+shows the prediction only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from swiglu_patch.memory.configs import list_presets, resolve_model
+from swiglu_patch.memory.profiler import WHATS, ProfileRow, predict_rows, profile_model
+from swiglu_patch.memory.tables import environment, fmt_bytes, int_list, markdown_table, write_json, write_text
+
+DEFAULT_MODELS = ["llama-3.1-8b", "qwen2.5-7b", "mistral-nemo-12b", "gemma-3-12b"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", nargs="+", default=DEFAULT_MODELS, metavar="MODEL",
+                        help=f"preset, config.json, checkpoint folder or hub id (default: {' '.join(DEFAULT_MODELS)}); "
+                             f"presets: {', '.join(list_presets())}")
+    parser.add_argument("--layers", type=int, default=2, help="keep only the first N decoder layers (default 2; 0 = all)")
+    parser.add_argument("--tokens", type=int_list, default=[512, 1024, 2048, 4096, 8192],
+                        help="sequence lengths, comma-separated (default 512,1024,2048,4096,8192)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 2], help="batch sizes (default 1,2)")
+    parser.add_argument("--max-tokens", type=int, default=16384, help="skip points with batch x tokens above this")
+    parser.add_argument("--what", default="mlp,prefill", help="mlp, prefill or both (default mlp,prefill)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--backend", default="auto", help="apply_fused_mlp backend (default auto: Triton on CUDA)")
+    parser.add_argument("--random-init", action="store_true",
+                        help="random weights from the config even when a checkpoint's weights are available")
+    parser.add_argument("--family", help="treat an unknown model_type as this family (e.g. llama)")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="relative error that counts as a match (0.10)")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="also dump a torch.cuda.memory snapshot (pickle) of the largest prefill per path")
+    parser.add_argument("--out-dir", help="write memory_profile.{json,md,png} here")
+    parser.add_argument("--from-json", metavar="PATH",
+                        help="re-render the table and plot of an earlier run's memory_profile.json (no GPU needed)")
+    parser.add_argument("--plot", help="PNG path (default <out-dir>/memory_profile.png)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.from_json:
+        return _rerender(args)
+    whats = [w.strip() for w in args.what.split(",") if w.strip()]
+    bad = [w for w in whats if w not in WHATS]
+    if bad or not whats:
+        print(f"swiglu-patch memory: --what takes {', '.join(WHATS)}, got {args.what!r}", file=sys.stderr)
+        return 2
+    try:
+        resolved = [resolve_model(m) for m in args.model]
+        shapes = [r.shape(args.family) for r in resolved]
+    except ValueError as exc:
+        print(f"swiglu-patch memory: {exc}", file=sys.stderr)
+        return 2
+    layers = args.layers or None
+    cuda = _cuda_available()
+    if not cuda:
+        print("swiglu-patch memory: CUDA is not available on this machine; showing the prediction only.\n")
+    rows: list[ProfileRow] = []
+    info: dict = {}
+    failures: dict[str, str] = {}
+    out_dir = Path(args.out_dir) if args.out_dir else None
+    start = time.time()
+    for res, shape in zip(resolved, shapes):
+        dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+        if not cuda:
+            s = shape.truncated(layers) if layers else shape
+            rows += predict_rows(s, whats, args.batch_sizes, args.tokens, dtype_bytes, args.max_tokens)
+            continue
+        t0 = time.time()
+        try:
+            model_rows, model_info = profile_model(
+                res, layers=layers, whats=whats, batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
+                max_tokens=args.max_tokens, random_init=args.random_init, backend=args.backend,
+                snapshot_dir=(out_dir / "snapshots") if (args.snapshot and out_dir) else None, family=args.family)
+        except Exception as exc:  # one model's failure (OOM, an HF change) must not lose the others' numbers
+            failures[res.name] = f"{type(exc).__name__}: {exc}"
+            print(f"{res.name}: FAILED after {time.time() - t0:.1f} s: {failures[res.name][:300]}", flush=True)
+            continue
+        rows += model_rows
+        info[res.name] = {**model_info, "source": res.source, "seconds": round(time.time() - t0, 1)}
+        print(f"{res.name}: {len(model_rows)} points in {time.time() - t0:.1f} s", flush=True)
+    table = profile_table(rows, args.tolerance)
+    summary = match_summary(rows, args.tolerance)
+    env = environment()
+    where = (f"measured with torch.cuda.max_memory_allocated on {env.get('gpu')} (torch {env.get('torch')}, "
+             f"transformers {env.get('transformers')}, commit {env.get('git_commit')})") if cuda else \
+        "PREDICTION ONLY (no CUDA)"
+    header = (f"Peak memory above weights, {args.dtype}, first {layers or 'all'} layers, HF eager vs swiglu-patch "
+              f"fused; prefill with logits_to_keep=1 and use_cache=True; {where}")
+    failed = "".join(f"\n- {name} FAILED: {why}" for name, why in failures.items())
+    summary += failed
+    print(f"{header}\n\n{table}\n\n{summary}")
+    if out_dir:
+        payload = {"command": " ".join(sys.argv), "environment": env, "settings": _settings(args),
+                   "models": info, "failures": failures, "seconds": round(time.time() - start, 1), "measured": cuda,
+                   "rows": [r.to_dict() for r in rows]}
+        write_json(out_dir / "memory_profile.json", payload)
+        write_text(out_dir / "memory_profile.md", f"{header}\n\n{table}\n\n{summary}\n")
+        print(f"\nwrote {out_dir / 'memory_profile.json'}, {out_dir / 'memory_profile.md'}")
+    _plot(rows, args.plot or (str(out_dir / "memory_profile.png") if out_dir else None), header)
+    return 1 if failures else 0
+
+
+def _plot(rows: list[ProfileRow], path: str | None, title: str) -> None:
+    if not (path and rows):
+        return
+    try:
+        from swiglu_patch.memory.plotting import plot_profile
+
+        print(f"wrote {plot_profile([r.to_dict() for r in rows], path, title=title)}")
+    except ImportError as exc:  # the numbers are written already; plot them later with --from-json
+        print(f"plot skipped ({exc}); render it elsewhere with --from-json")
+
+
+def _rerender(args: argparse.Namespace) -> int:
+    """Table, summary, markdown and plot from a memory_profile.json, without measuring."""
+    import json
+
+    payload = json.loads(Path(args.from_json).read_text())
+    fields = set(ProfileRow.__dataclass_fields__)
+    rows = [ProfileRow(**{k: v for k, v in r.items() if k in fields}) for r in payload["rows"]]
+    env = payload.get("environment", {})
+    header = (f"Peak memory above weights on {env.get('gpu', 'no GPU')} (torch {env.get('torch')}, transformers "
+              f"{env.get('transformers')}, commit {env.get('git_commit')}); HF eager vs swiglu-patch fused; prefill "
+              "with logits_to_keep=1 and use_cache=True")
+    table, summary = profile_table(rows, args.tolerance), match_summary(rows, args.tolerance)
+    print(f"{header}\n\n{table}\n\n{summary}")
+    if args.out_dir:
+        write_text(Path(args.out_dir) / "memory_profile.md", f"{header}\n\n{table}\n\n{summary}\n")
+    _plot(rows, args.plot or (str(Path(args.out_dir) / "memory_profile.png") if args.out_dir else None), header)
+    return 0
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if not k.startswith("_")}
+
+
+def _err(r: ProfileRow) -> str:
+    return f"{100 * (r.ratio - 1):+.1f}%" if r.ratio is not None else "-"
+
+
+def profile_table(rows: list[ProfileRow], tolerance: float) -> str:
+    """One line per (model, what, batch, tokens): eager and fused, measured, predicted, error."""
+    pairs: dict[tuple, dict[str, ProfileRow]] = {}
+    for r in rows:
+        pairs.setdefault((r.model, r.what, r.batch, r.seq_len), {})[r.path] = r
+    lines = []
+    for (model, what, batch, seq), p in pairs.items():
+        e, f = p.get("eager"), p.get("fused")
+        meas = lambda r: fmt_bytes(r.measured_bytes) if r and r.measured_bytes is not None else "-"  # noqa: E731
+        saved = _saved(e, f)
+        measured = [r for r in (e, f) if r and r.measured_bytes is not None]
+        flag = "-" if not measured else "ok" if all(_ok(r, tolerance) for r in measured) else "MISS"
+        lines.append([model, what, batch, seq, meas(e), fmt_bytes(e.predicted_bytes) if e else "-", _err(e) if e else "-",
+                      meas(f), fmt_bytes(f.predicted_bytes) if f else "-", _err(f) if f else "-", saved, flag])
+    headers = ["model", "what", "B", "T", "eager measured", "eager predicted", "err", "fused measured",
+               "fused predicted", "err", "saved", f"within {100 * tolerance:.0f}%"]
+    return markdown_table(headers, lines)
+
+
+def _saved(e: ProfileRow | None, f: ProfileRow | None) -> str:
+    """Eager minus fused: measured when both were measured, else predicted."""
+    if not (e and f):
+        return "-"
+    if e.measured_bytes is not None and f.measured_bytes is not None:
+        return fmt_bytes(e.measured_bytes - f.measured_bytes)
+    return fmt_bytes(e.predicted_bytes - f.predicted_bytes) + " (pred.)"
+
+
+def _ok(r: ProfileRow, tolerance: float) -> bool:
+    return r.ratio is None or abs(r.ratio - 1) <= tolerance
+
+
+def match_summary(rows: list[ProfileRow], tolerance: float) -> str:
+    measured = [r for r in rows if r.measured_bytes is not None]
+    if not measured:
+        return f"{len(rows)} predicted points; nothing measured."
+    ok = [r for r in measured if _ok(r, tolerance)]
+    worst = max(measured, key=lambda r: abs(r.ratio - 1))
+    return (f"{len(ok)}/{len(measured)} measured points within {100 * tolerance:.0f}% of the prediction; worst "
+            f"{_err(worst)} ({worst.model} {worst.what} {worst.path} B={worst.batch} T={worst.seq_len}, predicted peak "
+            f"at {worst.predicted_where}).")

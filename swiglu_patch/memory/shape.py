@@ -1,0 +1,252 @@
+"""The few numbers of a decoder config that memory depends on, and the traits of each model family.
+
+A :class:`ModelShape` is read from a transformers config (``PretrainedConfig``) and holds only
+what the activation model, the weight count and the KV-cache arithmetic need. Shape letters as
+everywhere in swiglu-patch: K = hidden_size, I = intermediate_size, H = attention heads,
+KV = key/value heads, D = head_dim.
+
+The :data:`FAMILIES` registry says, per ``config.model_type``, how Hugging Face's eager code
+lays out one decoder layer: norm style, norms per layer, q/k norms, packed projections, embedding
+scaling, which attention HF runs. The activation model walks a layer with these traits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one model family's HF eager forward is laid out (what the activation model walks).
+
+    Attributes:
+        norm_style: "llama" (``w * x.float().normed.to(dtype)``) or "gemma"
+            (``(x.float().normed * (1 + w)).type_as(x)``); both keep two fp32 copies at their peak.
+        norms_per_layer: 2 (pre-attention, pre-MLP) or 4 (Gemma 2/3 add post-attention, post-MLP).
+        qk_norm: RMSNorm over head_dim on q and k (Qwen3, Gemma 3).
+        qk_norm_before_transpose: Qwen3 norms q right after q_proj (before k_proj runs); Gemma 3
+            norms q and k after all three projections.
+        embed_scale: embeddings multiplied by sqrt(K) into a new tensor (Gemma).
+        fused_qkv: one ``qkv_proj`` output [M, (H + 2 KV) D] that q, k, v are views of (Phi-3).
+        fused_gate_up: one ``gate_up_proj`` output [M, 2I] (Phi-3), which stays alive through the MLP.
+        qkv_bias: q/k/v projections carry a bias (Qwen2) unless the config says otherwise.
+        hf_attention: "sdpa" or "eager": what HF runs by default for this family (Gemma 2's
+            attention soft-capping is refused by HF's sdpa path, so it runs eager).
+    """
+
+    norm_style: str = "llama"
+    norms_per_layer: int = 2
+    qk_norm: bool = False
+    qk_norm_before_transpose: bool = False
+    embed_scale: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+    qkv_bias: bool = False
+    hf_attention: str = "sdpa"
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True, qk_norm_before_transpose=True),
+    "gemma": Family(norm_style="gemma", embed_scale=True),
+    "gemma2": Family(norm_style="gemma", norms_per_layer=4, embed_scale=True, hf_attention="eager"),
+    "gemma3_text": Family(norm_style="gemma", norms_per_layer=4, qk_norm=True, embed_scale=True),
+    "phi3": Family(fused_qkv=True, fused_gate_up=True),
+}
+
+# Config fields a gated-MLP decoder must state; everything else has a defensible default.
+REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+_DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "bf16": "bfloat16"}
+
+
+def family_for(model_type: str, override: str | None = None) -> Family:
+    """The :class:`Family` of ``model_type``, or of ``override`` when given.
+
+    Raises:
+        ValueError: unknown model_type (the message lists the supported ones and the override).
+    """
+    key = override or model_type
+    if key not in FAMILIES:
+        raise ValueError(
+            f"Unknown model_type {key!r} for the activation model. Supported: {', '.join(sorted(FAMILIES))}. "
+            "If its decoder layer is laid out like Llama's, pass family='llama' (CLI: --family llama)."
+        )
+    return FAMILIES[key]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What memory depends on in a decoder config (one model, all layers, one GPU unless sharded).
+
+    Attributes:
+        name: a label (preset name or path).
+        model_type: ``config.model_type`` (text model, e.g. "gemma3_text").
+        family: key into :data:`FAMILIES`.
+        hidden_size: K.
+        intermediate_size: I.
+        num_layers: decoder layers.
+        num_heads: H.
+        num_kv_heads: KV (GQA when KV < H).
+        head_dim: D (explicit ``head_dim`` when the config has one, else K // H).
+        vocab_size: V.
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        activation: MLP activation name ("silu", "gelu_pytorch_tanh", ...).
+        torch_dtype: the checkpoint's dtype name.
+        sliding_window: window in tokens of the sliding layers, or None.
+        layer_types: per layer, "full_attention" or "sliding_attention".
+        qkv_bias, o_bias, mlp_bias: biases on those projections.
+        final_logit_softcapping: Gemma 2's logit soft-cap (extra temporaries on the logits), or None.
+        source: where the config came from.
+    """
+
+    name: str
+    model_type: str
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    activation: str
+    torch_dtype: str
+    sliding_window: int | None
+    layer_types: tuple[str, ...]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    final_logit_softcapping: float | None = None
+    source: str = ""
+
+    @property
+    def traits(self) -> Family:
+        return FAMILIES[self.family]
+
+    @property
+    def q_dim(self) -> int:
+        """H * D: width of the query (and of the attention output)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """KV * D: width of the key (and of the value)."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(t == SLIDING for t in self.layer_types)
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.num_layers - self.num_sliding_layers
+
+    def truncated(self, num_layers: int) -> ModelShape:
+        """The same shape with only the first ``num_layers`` layers (as the profiler builds it)."""
+        if not 1 <= num_layers:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        n = min(num_layers, self.num_layers)
+        return dataclasses.replace(self, num_layers=n, layer_types=self.layer_types[:n])
+
+    def sharded(self, tp: int) -> ModelShape:
+        """What one GPU holds under tensor parallelism of degree ``tp`` (vLLM's rules).
+
+        Heads and the MLP's I split ``tp`` ways; key/value heads split when KV >= tp and are
+        replicated (one per GPU) when KV < tp; K and the vocabulary's activations stay whole.
+
+        Raises:
+            ValueError: H or I not divisible by tp, or KV and tp not dividing one another.
+        """
+        if tp < 1:
+            raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
+        if tp == 1:
+            return self
+        problems = []
+        if self.num_heads % tp:
+            problems.append(f"{self.num_heads} attention heads")
+        if self.intermediate_size % tp:
+            problems.append(f"intermediate_size {self.intermediate_size}")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} key/value heads")
+        if problems:
+            raise ValueError(
+                f"{self.name}: tensor-parallel degree {tp} does not divide {' and '.join(problems)}; "
+                "pick a tp that divides them (CLI: --tp auto picks the smallest that fits)."
+            )
+        return dataclasses.replace(
+            self,
+            num_heads=self.num_heads // tp,
+            num_kv_heads=max(1, self.num_kv_heads // tp),
+            intermediate_size=self.intermediate_size // tp,
+        )
+
+    @classmethod
+    def from_config(cls, config: Any, *, name: str = "", source: str = "", family: str | None = None) -> ModelShape:
+        """Read a transformers config (multimodal ones through their text config).
+
+        Args:
+            config: a ``PretrainedConfig`` (or anything with its attributes).
+            name: label for tables.
+            source: where the config came from.
+            family: treat the model as this family (a key of :data:`FAMILIES`) instead of its model_type.
+
+        Raises:
+            ValueError: a required field is missing, or the model_type is unknown and no family is given.
+        """
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        missing = [f for f in REQUIRED_FIELDS if getattr(config, f, None) is None]
+        if missing:
+            raise ValueError(
+                f"config for {name or '?'} lacks {', '.join(missing)}: a gated-MLP decoder config needs "
+                f"{', '.join(REQUIRED_FIELDS)}. Pass the model's full config.json."
+            )
+        model_type = getattr(config, "model_type", "") or ""
+        family_for(model_type, family)  # raises on unknown
+        traits = FAMILIES[family or model_type]
+        k, h = int(config.hidden_size), int(config.num_attention_heads)
+        kv = int(getattr(config, "num_key_value_heads", None) or h)
+        head_dim = int(getattr(config, "head_dim", None) or k // h)
+        layers = int(config.num_hidden_layers)
+        window = getattr(config, "sliding_window", None)
+        types = getattr(config, "layer_types", None)
+        if types is None:  # Mistral / Phi-3: one window for every layer when set
+            types = [SLIDING if window else FULL] * layers
+        types = tuple(SLIDING if t == SLIDING else FULL for t in types[:layers])
+        if window is None:
+            types = tuple(FULL for _ in types)
+        activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+        dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype") or "bfloat16"
+        dtype = str(dtype).replace("torch.", "")
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            name=name or getattr(config, "name_or_path", "") or model_type,
+            model_type=model_type,
+            family=family or model_type,
+            hidden_size=k,
+            intermediate_size=int(config.intermediate_size),
+            num_layers=layers,
+            num_heads=h,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            vocab_size=int(config.vocab_size),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            activation=str(activation),
+            torch_dtype=_DTYPE_NAMES.get(dtype, dtype),
+            sliding_window=int(window) if window else None,
+            layer_types=types,
+            qkv_bias=traits.qkv_bias or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+            source=source,
+        )
