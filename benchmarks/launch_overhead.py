@@ -41,6 +41,7 @@ def ways(x, packed, out):
         "gated_gemm_tma device descriptors, no ws": lambda: gated_gemm_tma(
             x, packed, silu, None, out, dataclasses.replace(tma_cfg, warp_specialize=False), device_descriptors=True
         ),
+        "gated_gemm auto (allocates out)": lambda: gated_gemm(x, packed, "silu"),
         "gated_linear (auto)": lambda: gated_linear(x, packed, "silu"),
     }
 
@@ -71,6 +72,21 @@ def main() -> None:
     for name, fn in ways(tiny_x, tiny_w, tiny_o).items():
         rows.append(dict(way=name, host_us=host_us(fn)))
         print(f"host  {name:42s} {rows[-1]['host_us']:7.1f} us/call", flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    fn = ways(tiny_x, tiny_w, tiny_o)["gated_linear (auto)"]
+    prof.enable()
+    for _ in range(300):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    (args.out / "gated_linear_profile.txt").write_text(buf.getvalue())
+    print(buf.getvalue()[-3500:])
     for shape in [s for s in SHAPES if s.name in ("llama-3.2-1b", "llama-3-8b")]:
         w = pack_gate_up(*(torch.randn(2, shape.intermediate, shape.hidden, device="cuda", dtype=dt) * 0.02))
         for m in args.tokens:
