@@ -38,21 +38,28 @@ TMA_CONFIGS = [
     GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4),
     GatedGemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=2),
 ]
+# decode (M <= 64): 64-row MMA (x zero-filled by TMA), narrow weight boxes, deep pipelines
+TMA_DECODE_CONFIGS = [
+    GatedGemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=6),
+    GatedGemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=5),
+    GatedGemmConfig(64, 16, 256, group_m=1, num_warps=4, num_stages=6),
+]
 
 
 def variants(m: int) -> list[tuple[str, dict]]:
     """(label, gated_gemm kwargs) worth timing at m tokens: tiny tiles never at prefill,
-    128-row tiles never at decode, TMA only from 64 tokens."""
+    128-row tiles never at decode."""
     out = [
         (f"ptr {c}", dict(kernel="pointer", config=c))
         for c in CANDIDATE_CONFIGS
         if not (m >= 512 and c.block_m < 64) and not (m <= 16 and c.block_m > 32)
     ]
-    if m >= 64:
-        out += [
-            (f"tma {c}", dict(kernel="tma", config=dataclasses.replace(c, warp_specialize=ws)))
-            for c in TMA_CONFIGS for ws in (False, True)
-        ]
+    tma = (TMA_CONFIGS if m >= 64 else []) + (TMA_DECODE_CONFIGS if m <= 64 else [])
+    out += [
+        (f"tma {c}", dict(kernel="tma", config=dataclasses.replace(c, warp_specialize=ws)))
+        for c in tma for ws in (False, True)
+    ]
     return out
 
 
