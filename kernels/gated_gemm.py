@@ -192,13 +192,16 @@ def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
 
 
 # The TMA kernel's tiles per M bucket (block_n = output columns: the weight box is 2 * block_n
-# rows) and the M from which it beats the pointer kernel; H100 bf16 sweep of
-# `benchmarks.tune_kernel --kernels tma` (benchmarks/results/tune_tma_h100_bf16.log).
+# rows) and the M from which it beats the pointer kernel; H100 bf16 sweeps of
+# `benchmarks.tune_kernel` (benchmarks/results/tune_tma_h100_bf16.log for M >= 64,
+# tune_decode_h100_bf16.log for M <= 64: at M = 64 the 64x32 TMA tile beats the pointer
+# kernel on 4 of 6 shapes, at M <= 16 the pointer kernel wins).
 _TMA_DEFAULTS: dict[int, GatedGemmConfig] = {
+    64: GatedGemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=6),
     512: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True),
     8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True),
 }
-TMA_MIN_M = 65
+TMA_MIN_M = 33
 
 
 @lru_cache(maxsize=8)
