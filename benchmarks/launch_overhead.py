@@ -34,7 +34,9 @@ def ways(x, packed, out):
     return {
         "cublas x @ W.T": lambda: x @ packed.T,
         "gated_gemm pointer": lambda: gated_gemm(x, packed, "silu", out=out, config=ptr_cfg, kernel="pointer"),
-        "gated_gemm_tma host descriptors": lambda: gated_gemm_tma(x, packed, silu, None, out, tma_cfg),
+        "gated_gemm_tma host descriptors": lambda: gated_gemm_tma(
+            x, packed, silu, None, out, tma_cfg, device_descriptors=False
+        ),
         "gated_gemm_tma device descriptors": lambda: gated_gemm_tma(
             x, packed, silu, None, out, tma_cfg, device_descriptors=True
         ),

@@ -209,12 +209,18 @@ def _is_hopper_or_newer(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@lru_cache(maxsize=1)
+def _tma():
+    """The TMA kernel's module, imported once (it imports this one)."""
+    from . import gated_gemm_tma
+
+    return gated_gemm_tma
+
+
 def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> bool:
     if x.shape[0] < TMA_MIN_M or not x.is_cuda or not _is_hopper_or_newer(x.device.index or 0):
         return False
-    from .gated_gemm_tma import tma_supported
-
-    return tma_supported(x, packed, out)
+    return _tma().tma_supported(x, packed, out)
 
 
 def interpreting() -> bool:
@@ -281,10 +287,8 @@ def gated_gemm(
         GATE_UP_BLOCK=GATE_UP_BLOCK,
     )
     if kernel == "tma" or (kernel == "auto" and not autotune and config is None and _use_tma(x, packed, out)):
-        from .gated_gemm_tma import gated_gemm_tma
-
         cfg = config or _for_bucket(_TMA_DEFAULTS, m)
-        return gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg)
+        return _tma().gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg)
     if autotune:
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE_M"]) * triton.cdiv(i, meta["BLOCK_SIZE_N"]),)
         _gated_gemm_fwd_autotuned[grid](*args, **flags)

@@ -204,3 +204,17 @@ def test_tma_refuses_partial_blocks_and_misaligned_rows():
     assert not tma_supported(x, pack_gate_up(gate, up), None)
     x, gate, up, _, _ = make_case(8, 60, 48, torch.float16, bias=False)  # K*2 bytes not a multiple of 16
     assert not tma_supported(x, pack_gate_up(gate, up), None)
+
+
+@pytest.mark.parametrize("device_descriptors", [True, False])
+def test_tma_host_and_device_descriptors(device_descriptors):
+    from swiglu_patch.kernels.activations import ACTIVATION_CODES
+    from swiglu_patch.kernels.gated_gemm import _TMA_DEFAULTS
+    from swiglu_patch.kernels.gated_gemm_tma import gated_gemm_tma
+
+    x, gate, up, bg, bu = make_case(70, 64, 48, torch.float16, bias=True)
+    out = torch.full((70, 48), float("nan"), dtype=torch.float16, device=DEVICE)
+    cfg = TMA_CONFIG or _TMA_DEFAULTS[max(_TMA_DEFAULTS)]
+    gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["gelu"], pack_gate_up(bg, bu), out, cfg,
+                   device_descriptors=device_descriptors)
+    check(out, x, gate, up, bg, bu, "gelu")
