@@ -1,0 +1,60 @@
+"""Geometric-mean ratios per regime from bench_mlp results: the numbers the README quotes.
+
+    python -m benchmarks.summarize_mlp benchmarks/results/mlp_raw/bf16_results.json ...
+
+Regimes: decode (M <= 16), middle (32 <= M <= 256), prefill (M >= 512); Llama-3.2-1B apart,
+since its GPU time (~36 µs) is below the host time of one Python call on the benchmark host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+
+OTHERS = ("hf_eager", "torch_compile", "liger")
+
+
+def regime(m: int) -> str:
+    return "decode M<=16" if m <= 16 else ("middle 32-256" if m <= 256 else "prefill M>=512")
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    acc: dict[tuple[str, str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        ways = r["ways"]
+        if ways["ours"]["status"] != "ok" or ways["gemm_only"]["status"] != "ok":
+            continue
+        ours = ways["ours"]["us"]
+        others = [ways[w]["us"] for w in OTHERS if ways.get(w, {}).get("status") == "ok"]
+        group = "Llama-3.2-1B" if r["shape"] == "llama-3.2-1b" else "other 5 shapes"
+        a = acc[(r["dtype"], regime(r["M"]), group)]
+        a["gemm"].append(math.log(ours / ways["gemm_only"]["us"]))
+        a["best"].append(math.log(ours / min(others)))
+        a["floor"].append(r["floor_us"] / ours)
+    out = []
+    for (dtype, reg, group), a in sorted(acc.items()):
+        out.append(dict(
+            dtype=dtype, regime=reg, shapes=group, rows=len(a["gemm"]),
+            ours_over_gemm_only=math.exp(sum(a["gemm"]) / len(a["gemm"])),
+            ours_over_best_other=math.exp(sum(a["best"]) / len(a["best"])),
+            floor_over_ours_mean=sum(a["floor"]) / len(a["floor"]),
+        ))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+")
+    args = ap.parse_args()
+    rows = [r for f in args.results for r in json.load(open(f))["rows"]]
+    print("| dtype | regime | shapes | rows | ours / gemm_only | ours / best other | floor / ours |")
+    print("|---|---|---|---|---|---|---|")
+    for s in summarize(rows):
+        print(f"| {s['dtype']} | {s['regime']} | {s['shapes']} | {s['rows']} | {s['ours_over_gemm_only']:.3f} "
+              f"| {s['ours_over_best_other']:.3f} | {s['floor_over_ours_mean']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
