@@ -48,6 +48,18 @@ def _apply_activation(gate, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
+    """(pid_m, pid_n) of tile `tile_id` in grouped order: GROUP_SIZE_M row-tiles walk the
+    column tiles together, so the weight tiles they share stay in L2."""
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _gated_gemm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, I, K,
@@ -65,15 +77,8 @@ def _gated_gemm_fwd_kernel(
     GROUP_SIZE_M: tl.constexpr,
 ):
     # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _tile_pid(tl.program_id(0), GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), num_pid_m, GROUP_SIZE_M)
 
     # -- which packed rows hold this tile's gate and up rows --
     offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)

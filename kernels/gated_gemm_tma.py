@@ -30,18 +30,8 @@ import triton.language as tl
 from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .gated_gemm import GatedGemmConfig, _apply_activation
+from .gated_gemm import GatedGemmConfig, _apply_activation, _tile_pid
 from .layout import GATE_UP_BLOCK
-
-
-@triton.jit
-def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_SIZE_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
 
 
 @triton.jit
