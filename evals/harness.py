@@ -1,0 +1,261 @@
+"""Eager against fused on lm-eval tasks: the two runs, paired question by question.
+
+`prepare_tasks` does every check that can fail (task names, local files, datasets) before a
+model is touched. `compare_on_tasks` then runs lm-eval's own `simple_evaluate` twice on one
+`HFLM` wrapping one loaded model: first unpatched, then patched in place, with the same
+settings and seeds, and pairs the logged samples (`pairing.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import EvalSetupError
+from .local_tasks import check_task_names, leaf_tasks, parse_local_data, render_overrides, task_manager
+from .pairing import pair_records, records_by_filter
+from .patching import Patcher
+from .stats import mdd_unpaired, proportion_stderr
+
+
+@dataclass
+class TaskPlan:
+    """Checked tasks, ready to evaluate.
+
+    Attributes:
+        tasks: the requested task, group or tag names.
+        leaves: {requested name: its leaf tasks}.
+        include_path: folder of rendered local overrides (None when all tasks read the hub).
+        local: {leaf task: description of its local files} (see `render_overrides`).
+    """
+
+    tasks: list[str]
+    leaves: dict[str, list[str]]
+    include_path: Path | None
+    local: dict[str, dict] = field(default_factory=dict)
+    _tm: object = field(default=None, repr=False)
+
+    def task_manager(self):
+        """The TaskManager for these tasks (built once, shared by both runs)."""
+        if self._tm is None:
+            self._tm = task_manager(self.include_path)
+        return self._tm
+
+
+def prepare_tasks(tasks: list[str], local_data: list[str] | dict | None, work_dir: Path, preload: bool = True) -> TaskPlan:
+    """Check task names and local files, render overrides, and build the tasks once.
+
+    Args:
+        tasks: lm-eval task, group or tag names.
+        local_data: ``TASK=PATH`` strings (or a parsed {task: path} dict).
+        work_dir: where rendered task YAMLs go (``work_dir/lm_eval_tasks``).
+        preload: build every task (loads its dataset) now, so a missing or unreachable
+            dataset fails here rather than after the model has loaded.
+
+    Returns:
+        A `TaskPlan`.
+
+    Raises:
+        EvalSetupError: unknown task, bad local file, or a dataset that cannot load.
+    """
+    if not tasks:
+        raise EvalSetupError("no tasks given; pass --tasks (e.g. --tasks leaderboard_mmlu_pro gpqa_diamond_zeroshot)")
+    local = local_data if isinstance(local_data, dict) else parse_local_data(local_data)
+    tm = task_manager()
+    check_task_names(tm, tasks)
+    include = Path(work_dir) / "lm_eval_tasks"
+    rendered = render_overrides(tm, {k: Path(v) for k, v in local.items()}, tasks, include)
+    plan = TaskPlan(
+        tasks=list(tasks),
+        leaves={t: leaf_tasks(tm, t) for t in tasks},
+        include_path=include if rendered else None,
+        local=rendered,
+    )
+    if preload:
+        try:
+            plan.task_manager().load(list(tasks))
+        except Exception as err:  # datasets, hub and YAML errors come in many types
+            hint = " Offline? Point the task at local files with --local-data TASK=PATH." if not rendered else ""
+            raise EvalSetupError(f"lm-eval could not build {tasks}: {type(err).__name__}: {err}.{hint}") from err
+    return plan
+
+
+def _strip(results: dict) -> dict:
+    return {k: v for k, v in results.items() if k != "samples"}
+
+
+def _metric_keys(task_results: dict) -> list[str]:
+    return [k for k in task_results if "," in k and "_stderr," not in k]
+
+
+def _float(x):
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _row(name, kind, subtasks, output_type, filt, eager_res, fused_res, eager_recs, fused_recs, alpha, power) -> dict:
+    """One report row: a task (or a group, pooled) under one filter."""
+    answers = pair_records(name, eager_recs, fused_recs, alpha, power)
+    paired = answers.pop("paired")
+    metrics = {}
+    for key in _metric_keys(eager_res):
+        metric, _, f = key.partition(",")
+        if f != filt or key not in fused_res:
+            continue
+        e, fu = _float(eager_res[key]), _float(fused_res[key])
+        if e is None or fu is None:
+            continue
+        n = answers["n"]
+        es = _float(eager_res.get(f"{metric}_stderr,{f}"))
+        fs = _float(fused_res.get(f"{metric}_stderr,{f}"))
+        p = paired.get(metric)
+        if p:  # lm-eval's score must be the mean of the per-question values we paired
+            for side, score, hits in (("eager", e, p["right_to_wrong"]), ("fused", fu, p["wrong_to_right"])):
+                if abs((p["both_right"] + hits) / n - score) > 1e-6:
+                    raise RuntimeError(
+                        f"{name}: lm-eval reports {metric}={score} for the {side} run but its logged samples "
+                        f"average {(p['both_right'] + hits) / n}; the samples and the scores disagree"
+                    )
+        metrics[metric] = {
+            "eager": e, "fused": fu, "diff": fu - e,
+            "eager_stderr": es if es is not None else (proportion_stderr(e, n) if p else None),
+            "fused_stderr": fs if fs is not None else (proportion_stderr(fu, n) if p else None),
+            "mdd_unpaired": mdd_unpaired(e, n, alpha, power) if p else None,
+            "paired": p,
+        }
+    return {
+        "task": name, "filter": filt, "kind": kind, "subtasks": subtasks, "output_type": output_type,
+        "n": answers["n"], "metrics": metrics, "answers": answers,
+    }
+
+
+def _pooled(res: dict, leaves: list[str], filt: str) -> dict:
+    """Per-question mean of every metric over the leaves' samples (a group's own score)."""
+    sums: dict[str, list[float]] = {}
+    for leaf in leaves:
+        for s in res["samples"].get(leaf, []):
+            if str(s.get("filter", "none")) != filt:
+                continue
+            for m in s.get("metrics") or []:
+                if isinstance(s.get(m), (int, float)):
+                    sums.setdefault(m, []).append(float(s[m]))
+    return {f"{m},{filt}": sum(v) / len(v) for m, v in sums.items() if v}
+
+
+def build_rows(plan: TaskPlan, eager: dict, fused: dict, alpha: float = 0.05, power: float = 0.8) -> tuple[list[dict], dict]:
+    """Pair two `simple_evaluate` results into report rows, one per (leaf task, filter), plus
+    one pooled row per requested group or tag with more than one leaf.
+
+    Returns:
+        (rows, per-sample records {row name: [(doc key, eager record, fused record)]}).
+    """
+    rows, per_sample = [], {}
+    all_leaves = sorted(eager["samples"])
+    by_leaf = {}
+    for leaf in all_leaves:
+        otype = eager["configs"][leaf]["output_type"]
+        e_by, f_by = records_by_filter(eager["samples"][leaf], otype), records_by_filter(fused["samples"].get(leaf, []), otype)
+        by_leaf[leaf] = (otype, e_by, f_by)
+        for filt in e_by:
+            name = leaf if filt == "none" else f"{leaf},{filt}"
+            rows.append(_row(leaf, "task", [], otype, filt, eager["results"][leaf], fused["results"][leaf],
+                             e_by[filt], f_by.get(filt, {}), alpha, power))
+            per_sample[name] = [(i, e_by[filt][i], f_by[filt].get(i)) for i in sorted(e_by[filt])]
+    for req, leaves in plan.leaves.items():
+        leaves = [leaf for leaf in leaves if leaf in by_leaf]
+        if len(leaves) < 2 and req in by_leaf:
+            continue
+        otypes = {by_leaf[leaf][0] for leaf in leaves}
+        for filt in sorted({f for leaf in leaves for f in by_leaf[leaf][1]}):
+            e_recs, f_recs = {}, {}
+            for k, leaf in enumerate(leaves):
+                for i, rec in by_leaf[leaf][1].get(filt, {}).items():
+                    e_recs[k * 10**7 + i] = rec
+                for i, rec in by_leaf[leaf][2].get(filt, {}).items():
+                    f_recs[k * 10**7 + i] = rec
+            rows.append(_row(req, "group", leaves, "/".join(sorted(otypes)), filt, _pooled(eager, leaves, filt),
+                             _pooled(fused, leaves, filt), e_recs, f_recs, alpha, power))
+    return rows, per_sample
+
+
+def _write_samples(folder: Path, per_sample: dict, eager: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    targets = {
+        (leaf, int(s["doc_id"])): s.get("target") for leaf, ss in eager["samples"].items() for s in ss
+    }
+    for name, items in per_sample.items():
+        leaf = name.split(",")[0]
+        with open(folder / f"{name.replace(',', '__')}.jsonl", "w", encoding="utf-8") as fh:
+            for i, e, f in items:
+                fh.write(json.dumps({
+                    "doc_id": i, "prompt_hash": e.prompt_hash, "target": targets.get((leaf, i)),
+                    "eager": {"answer": e.answer, "logliks": e.logliks, "metrics": e.metrics, "text": e.text},
+                    "fused": None if f is None else {"answer": f.answer, "logliks": f.logliks, "metrics": f.metrics, "text": f.text},
+                }, default=str) + "\n")
+
+
+def compare_on_tasks(
+    model,
+    tokenizer,
+    plan: TaskPlan,
+    output_dir: Path,
+    *,
+    patcher: Patcher | None = None,
+    limit: int | float | None = None,
+    batch_size: int | str = 1,
+    num_fewshot: int | None = None,
+    seed: int = 0,
+    gen_kwargs: dict | str | None = None,
+    apply_chat_template: bool = False,
+    alpha: float = 0.05,
+    power: float = 0.8,
+) -> dict:
+    """Run lm-eval on `model` unpatched, then patched, and pair the results.
+
+    The model is left patched: the caller undoes it with ``patcher.restore(model)`` (as
+    `run_eval` does).
+
+    Args:
+        model: a loaded causal LM (unpatched), on its evaluation device.
+        tokenizer: its tokenizer.
+        plan: from `prepare_tasks`.
+        output_dir: per-sample JSONL (``samples/``) and lm-eval's raw results go here.
+        patcher: how to make the fused model (default `Patcher()`: apply_fused_mlp, backend auto).
+        limit: lm-eval's limit (questions per task, or a fraction).
+        batch_size: lm-eval batch size (int or "auto").
+        num_fewshot: override every task's few-shot count (None: each task's own).
+        seed: python, numpy, torch and few-shot seed, the same for both runs.
+        gen_kwargs: generation overrides for generative tasks (e.g. "max_gen_toks=256").
+        apply_chat_template: lm-eval's flag.
+        alpha: significance level of the paired tests.
+        power: power for minimum detectable differences.
+
+    Returns:
+        {"rows": [...], "runs": {"eager": {...}, "fused": {...}}, "patch_report": str}.
+    """
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    patcher = patcher or Patcher()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    kwargs = dict(
+        tasks=plan.tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, log_samples=True,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        gen_kwargs=gen_kwargs, apply_chat_template=apply_chat_template,
+    )
+    runs, results = {}, {}
+    for side in ("eager", "fused"):
+        report = patcher.apply(model) if side == "fused" else None
+        print(f"\n=== swiglu-patch eval: {side} run ({patcher.path(model) if side == 'fused' else 'unpatched'}) ===", flush=True)
+        t0 = time.perf_counter()
+        res = lm_eval.simple_evaluate(model=hflm, task_manager=plan.task_manager(), **kwargs)
+        runs[side] = {"seconds": time.perf_counter() - t0, "patch_report": report}
+        results[side] = res
+        with open(output_dir / f"lm_eval_{side}.json", "w", encoding="utf-8") as fh:
+            json.dump(_strip(res), fh, indent=1, default=str)
+    rows, per_sample = build_rows(plan, results["eager"], results["fused"], alpha, power)
+    _write_samples(output_dir / "samples", per_sample, results["eager"])
+    return {"rows": rows, "runs": runs, "patch_report": runs["fused"]["patch_report"], "fused_path": patcher.path(model)}

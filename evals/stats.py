@@ -1,0 +1,158 @@
+"""Statistics for comparing two runs of one model on the same questions.
+
+Scores are proportions (accuracy, exact match) over n questions; "pts" below are percentage
+points. The functions are plain Python (no scipy) so the report needs nothing extra.
+
+Two designs, two detectable differences:
+
+- unpaired (what comparing two published accuracies can see): two independent proportions
+  near p, each over n questions. The minimum detectable difference at two-sided level alpha
+  with the given power is ``(z_{1-alpha/2} + z_{power}) * sqrt(2 p (1-p) / n)``. GPQA
+  Diamond (n = 198, p ~ 0.3) gives about 13 pts: aggregate accuracy cannot see less.
+- paired (what this harness does): the same n questions answered by both. Only discordant
+  questions carry information; with b = right->wrong and c = wrong->right flips, McNemar's
+  exact test is a two-sided binomial test of b against Binomial(b + c, 1/2). Its minimum
+  detectable difference uses Connor's (1987) normal approximation with the discordance rate
+  psi = (b + c) / n, and is never below k_min / n, where k_min is the smallest number of
+  one-directional flips the exact test can call significant (6 at alpha = 0.05).
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+_N = NormalDist()
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for b and c discordant pairs.
+
+    Args:
+        b: pairs right in run 1 and wrong in run 2 (e.g. right -> wrong flips).
+        c: pairs wrong in run 1 and right in run 2.
+
+    Returns:
+        p = min(1, 2 * P[X <= min(b, c)]) with X ~ Binomial(b + c, 1/2); 1.0 when b + c = 0.
+    """
+    if b < 0 or c < 0:
+        raise ValueError(f"mcnemar_exact: counts must be >= 0, got b={b}, c={c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    k = min(b, c)
+    # sum_{i<=k} C(n, i) / 2^n, exactly in integers, then one division
+    tail = sum(math.comb(n, i) for i in range(k + 1))
+    return min(1.0, 2.0 * tail / 2.0**n)
+
+
+def min_one_sided_flips(alpha: float = 0.05) -> int:
+    """Smallest k such that k flips all in one direction (and none back) give p < alpha.
+
+    Args:
+        alpha: two-sided significance level.
+
+    Returns:
+        k_min = the least k with 2 * 0.5^k < alpha (6 for alpha = 0.05).
+    """
+    _check_level(alpha, 0.5)
+    k = 1
+    while mcnemar_exact(k, 0) >= alpha:
+        k += 1
+    return k
+
+
+def proportion_stderr(p: float, n: int) -> float:
+    """Standard error of a proportion p over n items, sqrt(p (1-p) / (n-1)) (lm-eval's form).
+
+    Args:
+        p: the proportion in [0, 1].
+        n: number of items.
+
+    Returns:
+        The stderr (nan when n < 2).
+    """
+    if n < 2:
+        return float("nan")
+    return math.sqrt(max(p * (1.0 - p), 0.0) / (n - 1))
+
+
+def paired_diff_stderr(b: int, c: int, n: int) -> float:
+    """Standard error of the paired difference (c - b) / n of two proportions.
+
+    Args:
+        b: right -> wrong flips.
+        c: wrong -> right flips.
+        n: paired questions.
+
+    Returns:
+        sqrt((psi - delta^2) / n) with psi = (b + c) / n and delta = (c - b) / n.
+    """
+    if n < 1:
+        return float("nan")
+    psi, delta = (b + c) / n, (c - b) / n
+    return math.sqrt(max(psi - delta * delta, 0.0) / n)
+
+
+def mdd_unpaired(p: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Minimum detectable difference between two independent proportions near p, n each
+    (proportions p - d/2 and p + d/2, both with variance p(1-p)/n).
+
+    Args:
+        p: the baseline proportion (clipped to [1/n, 1 - 1/n] so it is never degenerate).
+        n: items per run.
+        alpha: two-sided significance level.
+        power: probability of detecting a true difference of this size.
+
+    Returns:
+        The difference as a fraction (0.12 = 12 pts); inf when n < 2.
+    """
+    _check_level(alpha, 1.0)
+    _check_level(power, 1.0)
+    if n < 2:
+        return float("inf")
+    p = min(max(p, 1.0 / n), 1.0 - 1.0 / n)
+    z = _N.inv_cdf(1.0 - alpha / 2.0) + _N.inv_cdf(power)
+    return z * math.sqrt(2.0 * p * (1.0 - p) / n)
+
+
+def mdd_paired(discordant: int, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """Minimum detectable paired difference on n questions with the observed discordance.
+
+    Solves Connor's sample-size equation
+    ``sqrt(n) * delta = z_{1-alpha/2} sqrt(psi) + z_{power} sqrt(psi - delta^2)`` for delta,
+    with psi = max(discordant, k_min) / n: a run with no flips can still only detect a
+    change big enough to produce k_min one-directional flips.
+
+    Args:
+        discordant: questions right in exactly one of the two runs (b + c).
+        n: paired questions.
+        alpha: two-sided significance level.
+        power: probability of detecting a true difference of this size.
+
+    Returns:
+        delta as a fraction, at least k_min / n and at most psi; inf when n < 1.
+    """
+    _check_level(alpha, 1.0)
+    _check_level(power, 1.0)
+    if n < 1:
+        return float("inf")
+    k_min = min_one_sided_flips(alpha)
+    psi = min(max(discordant, k_min), n) / n
+    za, zb = _N.inv_cdf(1.0 - alpha / 2.0), _N.inv_cdf(power)
+
+    def gap(delta: float) -> float:  # increasing in delta
+        return math.sqrt(n) * delta - za * math.sqrt(psi) - zb * math.sqrt(max(psi - delta * delta, 0.0))
+
+    lo, hi = 0.0, psi
+    if gap(hi) < 0:  # even psi (every discordant pair one way) is not enough at this power
+        return psi
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return max(hi, k_min / n)
+
+
+def _check_level(x: float, upper: float) -> None:
+    if not 0.0 < x < upper:
+        raise ValueError(f"expected a probability in (0, {upper}), got {x}")
