@@ -218,3 +218,13 @@ def test_tma_host_and_device_descriptors(device_descriptors):
     gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["gelu"], pack_gate_up(bg, bu), out, cfg,
                    device_descriptors=device_descriptors)
     check(out, x, gate, up, bg, bu, "gelu")
+
+
+def test_registered_op_matches_and_passes_opcheck():
+    """The op torch.compile and CUDA graphs see: same result, and a fake impl that fits."""
+    x, gate, up, bg, bu = make_case(9, 32, 48, torch.float32, bias=True)
+    packed, packed_b = pack_gate_up(gate, up), pack_gate_up(bg, bu)
+    out = torch.ops.swiglu_patch.gated_gemm(x, packed, packed_b, "gelu_tanh")
+    check(out, x, gate, up, bg, bu, "gelu_tanh")
+    torch.library.opcheck(torch.ops.swiglu_patch.gated_gemm.default, (x, packed, packed_b, "silu"),
+                          test_utils=("test_schema", "test_faketensor"))
