@@ -166,3 +166,17 @@ def test_unknown_class_with_gated_structure_is_patched_by_structure():
     report = apply_fused_mlp(model)
     assert len(report.by_structure) == 2 and "by structure" in str(report)
     assert (_logits(model, ids) - before).abs().max() <= 1e-5 * before.abs().max()
+
+
+def test_accelerate_alignment_hook_moves_with_the_module():
+    """An MLP under accelerate's (non-offloading) device-alignment hook keeps it once fused."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    model = tiny_model("llama", device=DEVICE)
+    ids = _ids(model)
+    before = _logits(model, ids)
+    for layer in model.model.layers:
+        add_hook_to_module(layer.mlp, AlignDevicesHook(execution_device=DEVICE, io_same_device=True))
+    apply_fused_mlp(model)
+    assert all(hasattr(layer.mlp, "_hf_hook") for layer in model.model.layers)
+    assert (_logits(model, ids) - before).abs().max() <= 1e-5 * before.abs().max()
