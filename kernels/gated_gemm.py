@@ -14,6 +14,10 @@ of [M, I]. The [M, 2*I] pre-activation never reaches memory.
 
 dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 dots use
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
+
+`gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
+unaligned strides) or the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M), each
+with a fixed config per M bucket measured by `benchmarks/tune_kernel.py`.
 """
 
 from __future__ import annotations
