@@ -70,7 +70,6 @@ def _gated_gemm_fwd_kernel(
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_om, stride_oi,
-    M_BUCKET,  # only an autotuning key
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -141,9 +140,6 @@ class GatedGemmConfig:
             GROUP_SIZE_M=self.group_m,
         )
 
-    def triton_config(self) -> triton.Config:
-        return triton.Config(self.meta(), num_warps=self.num_warps, num_stages=self.num_stages)
-
 
 def m_bucket(m: int) -> int:
     """The power of two >= m, capped at 8192: configs are chosen per bucket, not per M."""
@@ -159,7 +155,7 @@ _DEFAULTS: dict[int, GatedGemmConfig] = {
     8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
 }
 
-# Candidates for autotuning and for `benchmarks/tune_kernel.py`, which picks `_DEFAULTS`.
+# Candidates `benchmarks/tune_kernel.py` times to pick `_DEFAULTS` (offline: no autotuning at run time).
 CANDIDATE_CONFIGS: list[GatedGemmConfig] = [
     # decode: few tokens, weight-bandwidth bound; many programs over I, deep pipelines
     GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4),
@@ -181,10 +177,6 @@ CANDIDATE_CONFIGS: list[GatedGemmConfig] = [
     GatedGemmConfig(256, 64, 64, num_warps=8, num_stages=3),
     GatedGemmConfig(128, 64, 128, num_warps=8, num_stages=3),
 ]
-
-_gated_gemm_fwd_autotuned = triton.autotune(
-    configs=[c.triton_config() for c in CANDIDATE_CONFIGS], key=["M_BUCKET", "I", "K", "HAS_BIAS", "ACTIVATION", "INPUT_PRECISION"]
-)(_gated_gemm_fwd_kernel)
 
 
 def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
@@ -254,7 +246,6 @@ def gated_gemm(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: GatedGemmConfig | None = None,
-    autotune: bool = False,
     kernel: str = "auto",
 ) -> torch.Tensor:
     """Launch the fused gated GEMM on 2-D x.
@@ -266,7 +257,6 @@ def gated_gemm(
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
         config: launch config; `default_config(M, dtype)` if None.
-        autotune: tune the pointer kernel over `CANDIDATE_CONFIGS` (cached per M bucket, I, K).
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
             or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
 
@@ -275,34 +265,23 @@ def gated_gemm(
     """
     check_activation("gated_gemm", activation)
     m, k = x.shape
-    n = packed.shape[0]
-    i = n // 2
+    i = packed.shape[0] // 2
     if out is None:
         out = torch.empty((m, i), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    args = (
+    code = ACTIVATION_CODES[activation]
+    if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
+        return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _for_bucket(_TMA_DEFAULTS, m))
+    cfg = config or default_config(m, x.dtype)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
+    _gated_gemm_fwd_kernel[grid](
         x, packed, bias if bias is not None else packed, out,
         m, i, k,
         x.stride(0), x.stride(1),
         packed.stride(0), packed.stride(1),
         out.stride(0), out.stride(1),
-        m_bucket(m),
+        HAS_BIAS=bias is not None, ACTIVATION=code, INPUT_PRECISION=_input_precision(x.dtype),
+        GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    flags = dict(
-        HAS_BIAS=bias is not None,
-        ACTIVATION=ACTIVATION_CODES[activation],
-        INPUT_PRECISION=_input_precision(x.dtype),
-        GATE_UP_BLOCK=GATE_UP_BLOCK,
-    )
-    if kernel == "tma" or (kernel == "auto" and not autotune and config is None and _use_tma(x, packed, out)):
-        cfg = config or _for_bucket(_TMA_DEFAULTS, m)
-        return _tma().gated_gemm_tma(x, packed, flags["ACTIVATION"], bias, out, cfg)
-    if autotune:
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_SIZE_M"]) * triton.cdiv(i, meta["BLOCK_SIZE_N"]),)
-        _gated_gemm_fwd_autotuned[grid](*args, **flags)
-    else:
-        cfg = config or default_config(m, x.dtype)
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
-        _gated_gemm_fwd_kernel[grid](*args, **flags, **cfg.meta(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -23,42 +23,14 @@ pytest.importorskip("lm_eval")
 
 from swiglu_patch import is_patched  # noqa: E402
 from swiglu_patch.evals.errors import EvalSetupError  # noqa: E402
-from swiglu_patch.evals.patching import IdentityPatcher, Patcher  # noqa: E402
+from noisy_patcher import NoisyPatcher  # noqa: E402
+from swiglu_patch.evals.patching import IdentityPatcher  # noqa: E402
 from swiglu_patch.evals.runner import run_eval  # noqa: E402
 from swiglu_patch.evals.tiny_model import build_tiny_llama, save_tiny_llama  # noqa: E402
 
 FIXTURES = Path(str(resources.files("swiglu_patch.evals").joinpath("fixtures")))
 MMLU_PRO = f"leaderboard_mmlu_pro={FIXTURES}"
 GPQA = f"gpqa_diamond_zeroshot={FIXTURES / 'gpqa_synthetic.csv'}"
-
-
-class PerturbedPatcher(Patcher):
-    """The real patch, then Gaussian noise (10x the weight's std) on every packed gate/up weight."""
-
-    name = "perturbed"
-
-    def __init__(self, scale: float = 10.0):
-        super().__init__(backend="torch")
-        self.scale = scale
-        self._saved = []
-
-    def apply(self, model):
-        text = super().apply(model)
-        gen = torch.Generator().manual_seed(0)
-        for m in model.modules():
-            w = getattr(m, "gate_up_interleaved", None)
-            if isinstance(w, torch.Tensor):
-                self._saved.append((w, w.detach().clone()))
-                w.data.add_(torch.randn(w.shape, generator=gen, dtype=w.dtype) * self.scale * w.std())
-        if not self._saved:
-            raise AssertionError("no gate_up_interleaved found: the patch did not apply")
-        return text + " + noise"
-
-    def restore(self, model):
-        for w, orig in self._saved:
-            w.data.copy_(orig)
-        self._saved = []
-        super().restore(model)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +123,7 @@ def test_perturbed_mlp_is_detected(identity_report, tiny_dir, tmp_path):
     (data / "validation.jsonl").write_text((FIXTURES / "mmlu_pro_validation.jsonl").read_text())
     report = run_eval(
         str(tiny_dir), tasks=["leaderboard_mmlu_pro"], local_data=[f"leaderboard_mmlu_pro={data}"],
-        output_dir=tmp_path / "out", dtype="float32", device="cpu", batch_size=4, patcher=PerturbedPatcher(),
+        output_dir=tmp_path / "out", dtype="float32", device="cpu", batch_size=4, patcher=NoisyPatcher(scale=10.0),
         text=str(FIXTURES / "generate.py"), window=64, max_tokens=512, print_summary=False,
     )
     row = _rows(report)[("leaderboard_mmlu_pro", "none")]

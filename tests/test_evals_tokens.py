@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from swiglu_patch import is_patched
 from swiglu_patch.evals.errors import EvalSetupError
+from noisy_patcher import NoisyPatcher
 from swiglu_patch.evals.patching import IdentityPatcher, Patcher
 from swiglu_patch.evals.report import token_verdict
 from swiglu_patch.evals.token_agreement import _cast_floating, compare_tokens, make_windows, special_prefix
@@ -22,31 +23,6 @@ TEXT = (
     "surrounding families, that he is considered the rightful property of some one or other of "
     "their daughters. "
 ) * 3
-
-
-class NoisyPatcher(Patcher):
-    """The real patch plus noise on the packed gate/up weights; restore undoes both."""
-
-    def __init__(self, scale: float):
-        super().__init__(backend="torch")
-        self.scale, self.saved, self.applied = scale, [], 0
-
-    def apply(self, model):
-        text = super().apply(model)
-        gen = torch.Generator().manual_seed(1)
-        for m in model.modules():
-            w = getattr(m, "gate_up_interleaved", None)
-            if isinstance(w, torch.Tensor):
-                self.saved.append((w, w.detach().clone()))
-                w.data.add_(torch.randn(w.shape, generator=gen).to(w.dtype) * self.scale * w.float().std().to(w.dtype))
-        self.applied += 1
-        return text
-
-    def restore(self, model):
-        for w, orig in self.saved:
-            w.data.copy_(orig)
-        self.saved = []
-        super().restore(model)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +54,7 @@ def test_statistics_match_a_direct_computation(tiny):
     model, tok = tiny
     windows = make_windows(tok, TEXT, 64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    patcher = NoisyPatcher(scale=0.5)
+    patcher = NoisyPatcher(scale=0.5, seed=1)
     out = compare_tokens(model, windows, patcher=patcher, batch_size=3, chunk_positions=50)
     assert not is_patched(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -105,8 +81,8 @@ def test_statistics_match_a_direct_computation(tiny):
 def test_memory_groups_do_not_change_the_result(tiny):
     model, tok = tiny
     windows = make_windows(tok, TEXT, 64)
-    one = compare_tokens(model, windows, patcher=NoisyPatcher(0.5), batch_size=1)
-    many_patcher = NoisyPatcher(0.5)
+    one = compare_tokens(model, windows, patcher=NoisyPatcher(0.5, seed=1), batch_size=1)
+    many_patcher = NoisyPatcher(0.5, seed=1)
     many = compare_tokens(model, windows, patcher=many_patcher, batch_size=1, max_stored_bytes=1)
     assert many_patcher.applied == windows.shape[0]  # one window per group: patched that often
     for k in ("kl_mean", "kl_max", "top1_agreement", "max_abs_logit_diff", "ppl_eager", "ppl_fused"):
@@ -127,7 +103,7 @@ def test_reference_run_in_float32_for_a_bf16_model(tiny):
     assert ref["eager"]["ppl_eager"] == pytest.approx(out["ppl_eager"])
     v = token_verdict(out)
     assert v["label"] == "agrees", v["line"]
-    broken = compare_tokens(model, windows, patcher=NoisyPatcher(2.0), batch_size=2, reference_dtype=torch.float32)
+    broken = compare_tokens(model, windows, patcher=NoisyPatcher(2.0, seed=1), batch_size=2, reference_dtype=torch.float32)
     assert token_verdict(broken)["label"] == "DIFFERENCE"
 
 

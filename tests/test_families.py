@@ -154,7 +154,10 @@ def test_patching_frees_original_weights_and_keeps_dtype_device():
     assert mlp._original.gate_proj.weight.device.type == "meta"
     names = [n for n, _ in model.named_parameters()]
     assert not any("gate_proj" in n or "up_proj" in n for n in names)
-    assert copy.deepcopy(model) is not None  # patched models still deep-copy
+    ids = _ids(model)  # a patched model deep-copies into an independent, equal model
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[1].mlp.gate_up_interleaved.data_ptr() != mlp.gate_up_interleaved.data_ptr()
+    assert torch.equal(_logits(twin, ids), _logits(model, ids))
 
 
 def test_unknown_class_with_gated_structure_is_patched_by_structure():
