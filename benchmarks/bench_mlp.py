@@ -7,8 +7,9 @@
 
 For each dtype, shape (`shapes.SHAPES`) and token count M, every way (`ways.py`) is first run
 once and checked against a float64 reference on a few rows (`accuracy.py`); a way above its
-dtype's error bound is marked failed and not timed. The others are timed with
-`triton.testing.do_bench` (median; L2 flushed before each call, see `timing.py`). The floor
+dtype's error bound is marked failed and not timed. The others are timed together (`timing.py`:
+by default CUDA-graph replays after a read-only L2 flush, the ways interleaved in rounds;
+`--timer do_bench` for the previous method). The floor
 (`roofline.py`) uses peaks measured at the start of each dtype in the same run.
 
 Writes OUT/results.json (after every shape, so a run cut short keeps what it measured),
@@ -32,7 +33,7 @@ from .env_info import environment
 from .report_mlp import GOALS, merge_results, render, summary_lines
 from .roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
 from .shapes import DRY_RUN_SHAPES, DRY_RUN_TOKENS, SHAPES, TOKENS, MLPShape, select_shapes
-from .timing import cpu_timer, gpu_timer
+from .timing import TIMERS, CpuTimer, gpu_timer
 from .ways import WAY_NAMES, CompiledEager, Operands, build, fast_liger_autotune, output_kind, unavailable
 
 DTYPES = {
@@ -59,8 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", help="shape names (default: all); see benchmarks/shapes.py")
     p.add_argument("--ms", nargs="+", help="token counts M (default: 1, 2, 4, ..., 16384)")
     p.add_argument("--ways", nargs="+", help=f"subset of {', '.join(WAY_NAMES)} (default: all)")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warmup per way and row (ms)")
-    p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench timed repetitions per way and row (ms)")
+    p.add_argument("--timer", default="graph", choices=TIMERS,
+                   help="graph: CUDA-graph replay after a read-only L2 flush, ways interleaved (default); "
+                        "do_bench: triton's do_bench, zeroing flush, no graph (the method before 2026-11-22 14:00)")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="untimed calls per way and row (ms of GPU time)")
+    p.add_argument("--rep-ms", type=float, default=40.0, help="timed calls per way and row (ms of GPU time)")
+    p.add_argument("--rounds", type=int, default=4, help="graph timer: rounds the ways take turns in")
     p.add_argument("--check-rows", type=int, default=8, help="output rows checked against float64 per row")
     p.add_argument("--liger-tune-ms", type=float, nargs=2, default=[5.0, 20.0], metavar=("WARMUP", "REP"),
                    help="do_bench warmup/rep Liger's autotuner uses per config; 0 0 keeps Liger's own (25, 100)")
@@ -91,7 +96,7 @@ def run_row(
     way_list: list[str], ops: Operands, ref: Reference, compiled: CompiledEager | None,
     skip: dict[str, str], timer, bound: float, n_check: int, gen: torch.Generator,
 ) -> dict[str, dict]:
-    """Check, then time, every way on one (shape, M). Returns {way: result dict}."""
+    """Check every way on one (shape, M), then time those that passed together. Returns {way: result dict}."""
     m = ops.x.shape[0]
     idx = check_rows(m, n_check, gen).to(ops.x.device)
     x_rows = ops.x.index_select(0, idx)
@@ -99,6 +104,7 @@ def run_row(
     if "gemm_only" in way_list:
         refs["preact"] = ref.preact(x_rows)
     results: dict[str, dict] = {}
+    fns = {}
     for way in way_list:
         if way in skip:
             results[way] = {"status": "skipped", "reason": skip[way]}
@@ -116,13 +122,32 @@ def run_row(
                 results[way] = {"status": "failed", "rel_err": err, "setup_s": setup_s,
                                 "reason": f"relative error {err:.2e} > bound {bound:.1e}"}
                 continue
-            results[way] = {"status": "ok", "us": timer(fn) * 1e6, "rel_err": err, "setup_s": setup_s}
+            results[way] = {"status": "ok", "rel_err": err, "setup_s": setup_s}
+            fns[way] = fn
         except Exception as e:  # noqa: BLE001  (one way failing must not stop the others)
             results[way] = {"status": "error", "reason": f"{type(e).__name__}: {str(e)[:300]}"}
-            if ops.x.is_cuda:
-                torch.cuda.synchronize()
-                torch.cuda.empty_cache()
+            _recover(ops.x)
+    try:
+        seconds = timer.many(fns)
+    except Exception as e:  # noqa: BLE001  (time one by one, so one bad way loses only itself)
+        _recover(ops.x)
+        seconds = {}
+        for way, fn in fns.items():
+            try:
+                seconds.update(timer.many({way: fn}))
+            except Exception as e1:  # noqa: BLE001
+                results[way] = {"status": "error", "reason": f"timing: {type(e1).__name__}: {str(e1)[:300]}"}
+                _recover(ops.x)
+    for way, s in seconds.items():
+        results[way]["us"] = s * 1e6
+        results[way]["timer_mode"] = timer.modes.get(way, "")
     return results
+
+
+def _recover(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def run_shape(shape: MLPShape, dtype: torch.dtype, ms: list[int], way_list: list[str], peaks: Peaks,
@@ -184,22 +209,19 @@ def run(args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s if args.budget_s > 0 else None
     if args.dry_run:
-        device, timer = torch.device("cpu"), cpu_timer(3)
+        device, timer = torch.device("cpu"), CpuTimer(3)
         shapes, ms = select_shapes(args.shapes, DRY_RUN_SHAPES), args.ms or list(DRY_RUN_TOKENS)
         way_list = args.ways or ["ours", "gemm_only", "hf_eager"]
         args.backend = args.backend or "torch"
         matmul_n, copy_bytes = 256, 8 << 20
-        timer_text = "CPU perf_counter, median of 3 calls after 1 warm-up (dry run: numbers mean nothing)"
     else:
         if not torch.cuda.is_available():
             raise SystemExit("bench_mlp: no CUDA device; run on the GPU, or use --dry-run (CPU) or --render")
-        device, timer = torch.device("cuda"), gpu_timer(args.warmup_ms, args.rep_ms)
+        device, timer = torch.device("cuda"), gpu_timer(args.timer, args.warmup_ms, args.rep_ms, args.rounds)
         shapes, ms = select_shapes(args.shapes), args.ms or list(TOKENS)
         way_list = args.ways or list(WAY_NAMES)
         args.backend = args.backend or "auto"
         matmul_n, copy_bytes = 8192, 1 << 30
-        timer_text = (f"triton.testing.do_bench(warmup={args.warmup_ms:g} ms, rep={args.rep_ms:g} ms), median, "
-                      "L2 flushed (256 MB zeroed) before every timed call")
     liger_tuning = "liger's own (do_bench warmup 25 ms, rep 100 ms)"
     if "liger" in way_list and device.type == "cuda" and unavailable("liger", "silu", device) is None:
         if all(args.liger_tune_ms) and fast_liger_autotune(*args.liger_tune_ms):
@@ -210,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
         "kind": "bench_mlp",
         "env": environment(device, args.commit),
         "settings": {
-            "timer": timer_text, "check_rows": args.check_rows, "seed": args.seed, "ours_backend": args.backend,
+            "timer": timer.describe(), "check_rows": args.check_rows, "seed": args.seed, "ours_backend": args.backend,
             "liger_autotune": liger_tuning, "budget_s": args.budget_s, "dry_run": args.dry_run,
             "rel_err_bounds": {dtype_name(d): REL_ERR_BOUNDS[d] for d in dtypes},
             "inputs": "x ~ N(0, 1); Wg, Wu ~ N(0, 1/K), so pre-activations are ~N(0, 1)",

@@ -1,10 +1,11 @@
 """Time every candidate config of the fused gated GEMM per (shape, M) and pick defaults per M bucket.
 
 Each config is first checked against float64 on sampled rows (a config that is wrong is
-reported and never timed), then timed with `triton.testing.do_bench` (median) next to cuBLAS
-on the stacked weight (`gemm_only`) in the same run. Prints, per M bucket, the config with
-the best geometric-mean ratio to `gemm_only` across shapes: the table `_DEFAULTS` in
-`kernels/gated_gemm.py` is copied from that output.
+reported and never timed), then all configs of one (shape, M) are timed together with cuBLAS
+on the stacked weight (`gemm_only`) by `timing.GraphTimer` (CUDA-graph replays after a
+read-only L2 flush, interleaved in rounds). Prints, per M bucket, the config with the best
+geometric-mean ratio to `gemm_only` across shapes: the tables in `kernels/gated_gemm.py` are
+copied from that output.
 
     python -m benchmarks.tune_kernel --out $OUT/tune [--shapes llama-3-8b ...] [--tokens 1 16 ...]
 """
@@ -22,44 +23,50 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.timing import GraphTimer
 from benchmarks.shapes import SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
 from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, gated_gemm, m_bucket
 
-TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
 
-# TMA kernel tiles (block_n = output columns; the weight box is 2 * block_n rows), each tried
-# with and without warp specialization.
+# TMA kernel tiles (block_n = output columns; the weight box is 2 * block_n rows). 128-row
+# tiles are tried with and without warp specialization, and for 64 < M <= 4096 every tile
+# also with stream-K (the last partial wave split over all SMs by K).
 TMA_CONFIGS = [
     GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3),
     GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4),
+    GatedGemmConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=5),
     GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4),
-    GatedGemmConfig(128, 128, 128, group_m=8, num_warps=8, num_stages=2),
+    GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=6),
 ]
 # decode (M <= 64): 64-row MMA (x zero-filled by TMA), narrow weight boxes, deep pipelines
 TMA_DECODE_CONFIGS = [
     GatedGemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=6),
-    GatedGemmConfig(64, 32, 256, group_m=1, num_warps=4, num_stages=4),
-    GatedGemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=5),
-    GatedGemmConfig(64, 16, 256, group_m=1, num_warps=4, num_stages=6),
+    GatedGemmConfig(64, 16, 128, group_m=1, num_warps=4, num_stages=8),
+    GatedGemmConfig(64, 32, 64, group_m=1, num_warps=4, num_stages=10),
 ]
 
 
 def variants(m: int) -> list[tuple[str, dict]]:
     """(label, gated_gemm kwargs) worth timing at m tokens: tiny tiles never at prefill,
-    128-row tiles never at decode."""
+    large tiles never at decode."""
     out = [
         (f"ptr {c}", dict(kernel="pointer", config=c))
         for c in CANDIDATE_CONFIGS
-        if not (m >= 512 and c.block_m < 64) and not (m <= 16 and c.block_m > 32)
+        if (m <= 16 and c.block_m <= 16) or (16 < m <= 64 and 16 < c.block_m <= 64)
+        or (64 < m <= 256 and c.block_m == 64)
     ]
-    tma = (TMA_CONFIGS if m >= 64 else []) + (TMA_DECODE_CONFIGS if m <= 64 else [])
-    out += [
-        (f"tma {c}", dict(kernel="tma", config=dataclasses.replace(c, warp_specialize=ws)))
-        for c in tma for ws in (False, True)
-    ]
+    tma = [c for c in TMA_CONFIGS if m >= 48 and (m < 512 or c.block_m == 128)]
+    tma += TMA_DECODE_CONFIGS if 16 < m <= 96 else []
+    for c in tma:
+        for ws in ((False, True) if c.block_m == 128 else (False,)):
+            for sk in ((False, True) if 64 < m <= 4096 and c in TMA_CONFIGS else (False,)):
+                cfg = dataclasses.replace(c, warp_specialize=ws, stream_k=sk)
+                out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
     return out
 
 
@@ -75,21 +82,28 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--rep-ms", type=float, default=40)
+    ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
+    timer = GraphTimer(warmup_ms=5, rep_ms=args.rep_ms, rounds=3)
+    t_start = time.perf_counter()
     rows_out = []
     for shape in select_shapes(args.shapes, SHAPES):
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            print(f"out of --budget-s: {shape.name} not measured", flush=True)
+            continue
         k, i = shape.hidden, shape.intermediate
         gate = (torch.randn(i, k, device="cuda") / k**0.5).to(dtype)
         up = (torch.randn(i, k, device="cuda") / k**0.5).to(dtype)
+        stacked = torch.cat([gate, up])
         packed = pack_gate_up(gate, up)
         for m in args.tokens:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
-            t_gemm = triton.testing.do_bench(lambda: x @ packed.T, warmup=10, rep=args.rep_ms, return_mode="median")
+            fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
             for label, kw in variants(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
@@ -104,24 +118,26 @@ def main() -> None:
                 first_call_s = time.perf_counter() - t0
                 err = rel_err_rows(out, x, gate, up, shape.activation, rows)
                 ok = math.isfinite(err) and err < 1e-2 and not out.isnan().any().item()
-                t = float("nan")
+                found[label] = dict(shape=shape.name, m=m, bucket=m_bucket(m), config=label, rel_err=err, ok=ok,
+                                    first_call_s=first_call_s)
                 if ok:
-                    t = triton.testing.do_bench(
-                        lambda: gated_gemm(x, packed, shape.activation, out=out, **kw),
-                        warmup=10, rep=args.rep_ms, return_mode="median",
-                    )
-                rows_out.append(dict(
-                    shape=shape.name, m=m, bucket=m_bucket(m), config=label, rel_err=err, ok=ok,
-                    ms=t, gemm_only_ms=t_gemm, ratio=t / t_gemm, first_call_s=first_call_s,
-                ))
+                    fns[label] = (lambda kw=kw, out=out: gated_gemm(x, packed, shape.activation, out=out, **kw))
+            secs = timer.many(fns)
+            t_gemm = secs["gemm_only"] * 1e3
+            for label, r in found.items():
+                t = secs.get(label, float("nan")) * 1e3
+                rows_out.append(dict(r, ms=t, gemm_only_ms=t_gemm, ratio=t / t_gemm))
             best = min((r for r in rows_out if r.get("shape") == shape.name and r["m"] == m and r.get("ok")),
                        key=lambda r: r["ms"], default=None)
             if best:
                 print(f"{shape.name:14s} M={m:6d} gemm_only {t_gemm*1e3:9.1f} us  best {best['ms']*1e3:9.1f} us "
                       f"ratio {best['ratio']:.3f}  {best['config']}", flush=True)
-    (args.out / "tune.json").write_text(json.dumps(dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        dtype=args.dtype, rows=rows_out), indent=1))
+            del fns, found, x
+        del gate, up, stacked, packed
+        torch.cuda.empty_cache()
+        (args.out / "tune.json").write_text(json.dumps(dict(
+            gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+            dtype=args.dtype, timer=timer.describe(), rows=rows_out), indent=1))
 
     # per M bucket: the config with the best geometric-mean ratio over the shapes measured
     by_bucket: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))

@@ -22,6 +22,7 @@ with a fixed config per M bucket measured by `benchmarks/tune_kernel.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -132,6 +133,7 @@ class GatedGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
+    stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -147,10 +149,11 @@ def m_bucket(m: int) -> int:
 
 
 # Defaults per M bucket: the best geometric mean over the six benchmark shapes, bf16 on an
-# H100, from `python -m benchmarks.tune_kernel` (benchmarks/results/tune_h100_bf16.log).
-# fp32 halves BLOCK_SIZE_K to fit shared memory.
+# H100, from `python -m benchmarks.tune_kernel` (benchmarks/results/tune_h100_bf16_graph.json:
+# CUDA-graph timing after a read-only L2 flush). fp32 halves BLOCK_SIZE_K to fit shared memory.
 _DEFAULTS: dict[int, GatedGemmConfig] = {
     16: GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
+    32: GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=4),
     64: GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=4),
     8192: GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
 }
@@ -158,26 +161,25 @@ _DEFAULTS: dict[int, GatedGemmConfig] = {
 # Candidates `benchmarks/tune_kernel.py` times to pick `_DEFAULTS` (offline: no autotuning at run time).
 CANDIDATE_CONFIGS: list[GatedGemmConfig] = [
     # decode: few tokens, weight-bandwidth bound; many programs over I, deep pipelines
+    GatedGemmConfig(16, 16, 256, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 16, 256, num_warps=4, num_stages=6),
+    GatedGemmConfig(16, 16, 512, num_warps=4, num_stages=3),
     GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=6),
     GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4),
     GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4),
-    GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=6),
     GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3),
     GatedGemmConfig(16, 128, 128, num_warps=4, num_stages=4),
+    # small and middle M
+    GatedGemmConfig(32, 32, 256, num_warps=4, num_stages=4),
     GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=4),
-    # middle
+    GatedGemmConfig(64, 32, 128, num_warps=4, num_stages=4),
     GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=4),
     GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=4),
     GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-    GatedGemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-    # prefill: compute bound; two 128x128 fp32 accumulators = one 128x256 tile
-    GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    # prefill without TMA (pre-Hopper, unaligned): two 128x128 fp32 accumulators
     GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GatedGemmConfig(128, 128, 64, group_m=16, num_warps=8, num_stages=4),
-    GatedGemmConfig(256, 64, 64, num_warps=8, num_stages=3),
-    GatedGemmConfig(128, 64, 128, num_warps=8, num_stages=3),
 ]
-
 
 def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
     """The entry of the smallest bucket key that holds m (the largest key for any bigger m)."""
@@ -188,21 +190,22 @@ def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
     """The shipped pointer-kernel config for M tokens."""
     cfg = _for_bucket(_DEFAULTS, m)
     if dtype == torch.float32:
-        cfg = GatedGemmConfig(cfg.block_m, cfg.block_n, max(16, cfg.block_k // 2), cfg.group_m, cfg.num_warps, cfg.num_stages)
+        cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k // 2))
     return cfg
 
 
 # The TMA kernel's tiles per M bucket (block_n = output columns: the weight box is 2 * block_n
-# rows) and the M from which it beats the pointer kernel; H100 bf16 sweeps of
-# `benchmarks.tune_kernel` (benchmarks/results/tune_tma_h100_bf16.log for M >= 64,
-# tune_decode_h100_bf16.log for M <= 64: at M = 64 the 64x32 TMA tile beats the pointer
-# kernel on 4 of 6 shapes, at M <= 16 the pointer kernel wins).
+# rows) and the M from which it runs; H100 bf16 sweeps of `benchmarks.tune_kernel`
+# (benchmarks/results/tune_h100_bf16_graph.json, tune_streamk_h100_bf16.json): up to M = 64 the
+# pointer kernel beats every TMA tile, from 65 to 128 a 64x(2*64) tile, beyond that 128x(2*128).
+# stream_k only acts where the last wave would leave > 80% of the SMs idle (gated_gemm_tma).
 _TMA_DEFAULTS: dict[int, GatedGemmConfig] = {
-    64: GatedGemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=6),
-    512: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True),
-    8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True),
+    128: GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
+    1024: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True, stream_k=True),
+    4096: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, stream_k=True),
+    8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True, stream_k=True),
 }
-TMA_MIN_M = 33
+TMA_MIN_M = 65
 
 
 @lru_cache(maxsize=8)

@@ -18,6 +18,7 @@ from benchmarks.accuracy import REL_ERR_BOUNDS, Reference, activation_f64, check
 from benchmarks.report_mlp import GOALS, derived, render_markdown
 from benchmarks.roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
 from benchmarks.shapes import SHAPES, TOKENS, select_shapes
+from benchmarks.timing import CpuTimer, GraphTimer, gpu_timer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -93,6 +94,36 @@ def test_measure_peaks_arithmetic_with_a_fixed_timer():
     assert len(calls) == 2
     assert p.matmul_tflops == pytest.approx(2 * 64**3 / 2e-3 / 1e12)
     assert p.copy_tbps == pytest.approx(2 * (1 << 20) / 2e-3 / 1e12)  # read + written
+
+
+# ---------------------------------------------------------------- timers
+
+
+def test_gpu_timer_rejects_an_unknown_kind():
+    with pytest.raises(ValueError, match="unknown timer 'wallclock'; known: graph, do_bench"):
+        gpu_timer("wallclock", 10, 40)
+
+
+def test_cpu_timer_many_times_each_callable():
+    calls = {"a": 0, "b": 0}
+
+    def bump(key):
+        calls[key] += 1
+
+    out = CpuTimer(reps=3).many({"a": lambda: bump("a"), "b": lambda: bump("b")})
+    assert set(out) == {"a", "b"} and all(v >= 0 for v in out.values())
+    assert calls == {"a": 4, "b": 4}  # one warm-up + 3 timed each
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GraphTimer captures CUDA graphs: needs a GPU")
+def test_graph_timer_captures_and_falls_back_for_a_host_sync():
+    timer = GraphTimer(warmup_ms=1, rep_ms=5, rounds=2)
+    a = torch.randn(2048, 2048, device="cuda")
+    t = timer.many({"mm": lambda: a @ a, "sync": lambda: (a @ a).sum().item()})
+    assert timer.modes["mm"] == "graph" and timer.modes["sync"].startswith("eager")
+    # a 2048^3 fp32 matmul: 17 GFLOP, between 10 us and 10 ms on any GPU this runs on
+    assert 1e-5 < t["mm"] < 1e-2 and t["sync"] > 0
 
 
 # ---------------------------------------------------------------- accuracy check

@@ -220,6 +220,52 @@ def test_tma_host_and_device_descriptors(device_descriptors):
     check(out, x, gate, up, bg, bu, "gelu")
 
 
+# Stream-K: (m, k, i) whose last wave is partial, on the interpreter's 4 programs with 16x(2*16)
+# tiles, or the GPU's SMs with 64x(2*32) tiles: tiles split across 2-5 programs, all tiles
+# stream-K (fewer tiles than programs), whole tiles inside one program's run, K below one block.
+SK_CONFIG = GatedGemmConfig(16, 16, 16, group_m=2, stream_k=True) if not CUDA else \
+    GatedGemmConfig(64, 32, 64, group_m=8, num_warps=4, num_stages=3, stream_k=True)
+SK_CASES = [(37, 72, 48), (16, 72, 32), (5, 200, 48), (16, 8, 48), (70, 136, 96)] + \
+    ([(300, 512, 96), (4100, 640, 1120), (1000, 4096, 16)] if CUDA else [])
+
+
+@pytest.mark.parametrize("m,k,i", SK_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_stream_k_matches_float64_and_is_deterministic(m, k, i, bias):
+    import triton
+
+    from swiglu_patch.kernels import gated_gemm_tma as tma
+    from swiglu_patch.kernels.activations import ACTIVATION_CODES
+
+    x, gate, up, bg, bu = make_case(m, k, i, torch.float16, bias)
+    packed, packed_b = pack_gate_up(gate, up), (pack_gate_up(bg, bu) if bias else None)
+    programs = tma._num_sms(0) if CUDA else 4
+    tiles = triton.cdiv(m, SK_CONFIG.block_m) * triton.cdiv(i, SK_CONFIG.block_n)
+    assert tma.stream_k_split(m, i, SK_CONFIG, programs, min_idle=0.0) < tiles  # the case has stream-K tiles
+    outs = []
+    for _ in range(2):
+        out = torch.full((m, i), float("nan"), dtype=torch.float16, device=DEVICE)
+        tma.gated_gemm_tma(x, packed, ACTIVATION_CODES["gelu_tanh"], packed_b, out, SK_CONFIG, stream_k_min_idle=0.0)
+        outs.append(out)
+    check(outs[0], x, gate, up, bg, bu, "gelu_tanh")
+    assert torch.equal(outs[0], outs[1])  # pieces are summed in program order, whoever arrives last
+    assert all(not c.any() for c in tma._sk_counts.values())  # every count reset for the next call
+
+
+def test_stream_k_only_where_the_last_wave_is_mostly_idle():
+    from swiglu_patch.kernels.gated_gemm_tma import STREAM_K_MIN_IDLE, stream_k_split
+
+    cfg = GatedGemmConfig(128, 128, 64, stream_k=True)
+    # Llama-3-8B (I = 14336): 112 column tiles; on 132 SMs
+    assert STREAM_K_MIN_IDLE == 0.8
+    assert stream_k_split(128, 14336, cfg, 132) == 112  # one wave, 15% idle: all data-parallel
+    assert stream_k_split(384, 14336, cfg, 132) == 336  # last wave 72 of 132 (45% idle): data-parallel
+    assert stream_k_split(1280, 14336, cfg, 132) == 1120  # last wave 64 of 132 (52% idle): data-parallel
+    assert stream_k_split(1280, 14336, cfg, 132, min_idle=0.4) == 1056  # a lower bar: its 64 go stream-K
+    assert stream_k_split(2432, 14336, cfg, 132) == 2112  # 2128 tiles, tail of 16: 88% idle, stream-K
+    assert stream_k_split(2432, 14336, GatedGemmConfig(128, 128, 64), 132) == 2128  # stream_k off
+
+
 def test_registered_op_matches_and_passes_opcheck():
     """The op torch.compile and CUDA graphs see: same result, and a fake impl that fits."""
     x, gate, up, bg, bu = make_case(9, 32, 48, torch.float32, bias=True)
