@@ -129,7 +129,7 @@ def run_row(
             _recover(ops.x)
     try:
         seconds = timer.many(fns)
-    except Exception as e:  # noqa: BLE001  (time one by one, so one bad way loses only itself)
+    except Exception:  # noqa: BLE001  (time one by one, so one bad way loses only itself)
         _recover(ops.x)
         seconds = {}
         for way, fn in fns.items():

@@ -16,8 +16,11 @@ a 256 MB buffer. So:
 - the ways of one row are timed interleaved, in `rounds` rounds, so a clock or thermal drift
   during the row touches all of them alike; the median of all samples is reported.
 
-A callable that cannot be captured (a host sync inside, say) is timed the same way without a
-graph, and `GraphTimer.modes` says which. `DoBenchTimer` is the previous method
+A callable that synchronizes with the host (found by running its warm-up calls under
+`torch.cuda.set_sync_debug_mode("error")`, before any capture is tried) or that fails to
+capture is timed the same way without a graph, and `GraphTimer.modes` says which. (A capture
+that fails can leave the default CUDA generator in capture mode, so later `torch.randn` on
+the GPU raises; the sync check keeps the usual case from getting there.) `DoBenchTimer` is the previous method
 (`triton.testing.do_bench`, zeroing flush, one way after the other), kept for comparison.
 
 CPU (--dry-run only): perf_counter around each call, a fixed number of calls.
@@ -56,7 +59,7 @@ class GraphTimer:
         self.torch = torch
         self.warmup_ms, self.rep_ms, self.rounds = warmup_ms, rep_ms, max(1, rounds)
         self.min_reps, self.max_reps = min_reps, max_reps
-        self._flush_buf = torch.empty(flush_mib << 18, dtype=torch.float32, device="cuda").normal_()
+        self._flush_buf = torch.ones(flush_mib << 18, dtype=torch.float32, device="cuda")  # read-only: any values
         self._flush_out = torch.empty((), dtype=torch.float32, device="cuda")
         self.flush = flush
         self.modes: dict[str, str] = {}  # key -> "graph" or "eager (reason)", of the last `many`
@@ -74,13 +77,23 @@ class GraphTimer:
             self._flush_buf.zero_()
 
     def _capture(self, fn: Fn):
-        """(replay callable, mode): a CUDA graph of one call of fn, or fn itself if capture fails."""
+        """(replay callable, mode): a CUDA graph of one call of fn, or fn itself if it syncs or
+        fails to capture."""
         torch = self.torch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks
-            for _ in range(2):
-                fn()
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks
+                torch.cuda.set_sync_debug_mode("error")
+                for _ in range(2):
+                    fn()
+        except RuntimeError as e:  # a host sync: a graph cannot hold it
+            torch.cuda.set_sync_debug_mode(previous)
+            torch.cuda.synchronize()
+            return fn, f"eager (host sync: {str(e)[:120]})"
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
