@@ -124,6 +124,7 @@ def test_load_text_from_file_and_local_dataset(tmp_path):
     f = tmp_path / "a.txt"
     f.write_text("hello world")
     assert load_text(path=str(f)) == "hello world"
+    pytest.importorskip("datasets", reason="a dataset column needs `datasets` (the [eval] extra installs it)")
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"text": "first"}\n{"text": ""}\n{"text": "second"}\n')
     assert load_text(dataset=str(rows)) == "first\n\nsecond"
