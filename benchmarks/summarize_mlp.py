@@ -2,6 +2,10 @@
 
     python -m benchmarks.summarize_mlp benchmarks/results/mlp_raw/bf16_results.json ...
 
+Also fits, per dtype and way, the decode time at M = 1 over the shapes as
+weight bytes / bandwidth + a fixed cost per call (least squares): how fast a way streams
+weights, and what every call pays on top.
+
 Regimes: decode (M <= 16), middle (32 <= M <= 256), prefill (M >= 512); Llama-3.2-1B apart:
 its whole call (~28 µs at decode) is short enough that the fixed cost of any launch (start-up,
 pipeline fill, the last wave) is a quarter of it, for every way alike.
@@ -45,6 +49,23 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
+def decode_fit(rows: list[dict], way: str, dtype: str) -> tuple[float, float] | None:
+    """(TB/s, fixed µs) of time = weight bytes / bandwidth + fixed over the shapes at M = 1,
+    by least squares; None with fewer than two shapes."""
+    def weight_bytes(r: dict) -> float:  # min_bytes counts x, the weight and out; keep the weight's share
+        elements = r["M"] * r["K"] + 2 * r["I"] * r["K"] + r["M"] * r["I"]
+        return 2 * r["I"] * r["K"] * (r["min_bytes"] / elements)
+
+    pts = [(weight_bytes(r), r["ways"][way]["us"]) for r in rows
+           if r["dtype"] == dtype and r["M"] == 1 and r["ways"].get(way, {}).get("status") == "ok"]
+    if len(pts) < 2:
+        return None
+    n, sx, sy = len(pts), sum(b for b, _ in pts), sum(t for _, t in pts)
+    sxx, sxy = sum(b * b for b, _ in pts), sum(b * t for b, t in pts)
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)  # µs per byte
+    return (1e-6 / slope if slope > 0 else float("inf")), (sy - slope * sx) / n  # µs/byte -> TB/s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
@@ -55,6 +76,14 @@ def main() -> None:
     for s in summarize(rows):
         print(f"| {s['dtype']} | {s['regime']} | {s['shapes']} | {s['rows']} | {s['ours_over_gemm_only']:.3f} "
               f"| {s['ours_over_best_other']:.3f} | {s['floor_over_ours_mean']:.2f} |")
+    print("\nDecode at M = 1, least squares over the shapes: time = weight bytes / bandwidth + fixed cost per call\n")
+    print("| dtype | way | bandwidth TB/s | fixed µs |")
+    print("|---|---|---|---|")
+    for dtype in sorted({r["dtype"] for r in rows}):
+        for way in ("ours", "gemm_only"):
+            fit = decode_fit(rows, way, dtype)
+            if fit:
+                print(f"| {dtype} | {way} | {fit[0]:.2f} | {fit[1]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,20 @@ def test_graph_timer_captures_and_falls_back_for_a_host_sync():
     torch.randn(4, device="cuda")  # the process's CUDA generator still works: no capture was tried
 
 
+def test_decode_fit_recovers_bandwidth_and_fixed_cost():
+    from benchmarks.summarize_mlp import decode_fit
+
+    rows = []
+    for k, i in [(2048, 8192), (4096, 14336), (8192, 28672)]:
+        weight = 2 * i * k * 2  # bf16
+        us = weight / 3.0e12 * 1e6 + 7.0  # 3 TB/s plus 7 µs per call
+        rows.append({"dtype": "bfloat16", "M": 1, "K": k, "I": i, "min_bytes": min_bytes(1, k, i, 2),
+                     "ways": {"ours": {"status": "ok", "us": us}, "gemm_only": {"status": "failed"}}})
+    tbps, fixed = decode_fit(rows, "ours", "bfloat16")
+    assert tbps == pytest.approx(3.0, rel=1e-9) and fixed == pytest.approx(7.0, rel=1e-9)
+    assert decode_fit(rows, "gemm_only", "bfloat16") is None  # no timed rows
+
+
 # ---------------------------------------------------------------- accuracy check
 
 
