@@ -89,7 +89,6 @@ class GraphTimer:
                 for _ in range(2):
                     fn()
         except RuntimeError as e:  # a host sync: a graph cannot hold it
-            torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.synchronize()
             return fn, f"eager (host sync: {str(e)[:120]})"
         finally:
