@@ -15,7 +15,9 @@ directly on the GPU in bf16, run under torch.inference_mode(), SDPA attention.
   weights would otherwise stop at EOS) on [B, 128] prompts, B = 1 and 32. decode tokens/s =
   B * 127 / (t(128 new) - t(1 new)): the prompt and the first token are subtracted.
 
-Eager runs first, then the same model is patched in place and everything runs again. Also
+Two copies of the model are built from one seed, one of them patched; every measurement
+times the two in turns (eager, patched, eager, ...), so drift of the host's speed, which
+decode is bound by, falls on both alike. Also
 recorded: peak GPU memory of the 8192-token prefill in both modes, and whether the patched
 model agrees with eager (max |logit diff| on a prompt, greedy tokens identical).
 """
@@ -81,56 +83,76 @@ def build_model(dims: dict, layers: int, device: torch.device, dtype: torch.dtyp
 
 
 def make_timer(device: torch.device, reps: int):
-    """Median wall seconds of fn over `reps` calls after one warm-up, synchronizing the GPU."""
+    """timer({name: fn}) -> {name: median wall seconds}: one warm-up each, then `reps` rounds in
+    which every fn runs once in turn, each call synchronized. Taking turns matters here: decode
+    is host-bound, and a host that drifts by 10% between one mode's runs and the other's would
+    otherwise read as a 10% difference between the modes."""
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    def timer(fn) -> float:
-        fn()
-        sync()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+    def timer(fns: dict) -> dict:
+        for fn in fns.values():
             fn()
-            sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        sync()
+        times: dict = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                times[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(t) for name, t in times.items()}
 
     return timer
 
 
-def measure(model, args: argparse.Namespace, device: torch.device, vocab: int, timer) -> dict:
-    """Prefill and decode tokens/s of `model` as it is now (eager or patched)."""
+def _peak_extra_mib(device: torch.device, fn) -> float | None:
+    """Peak GPU memory one call of fn allocates above what is allocated before it, MiB."""
+    if device.type != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure(models: dict, args: argparse.Namespace, device: torch.device, vocab: int, timer) -> dict:
+    """Prefill and decode tokens/s of each model ({mode: model}), the modes timed in turns."""
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
-    out: dict = {"prefill": [], "decode": []}
+    out: dict = {mode: {"prefill": [], "decode": []} for mode in models}
     for p_len in args.prefill:
         ids = torch.randint(2, vocab, (1, p_len), generator=gen).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-        t = timer(lambda: model(ids, use_cache=True, logits_to_keep=1))
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if device.type == "cuda" else None
-        out["prefill"].append({"prompt": p_len, "s": t, "tokens_per_s": p_len / t, "peak_extra_mib": peak})
+        fns = {mode: (lambda m=m: m(ids, use_cache=True, logits_to_keep=1)) for mode, m in models.items()}
+        peaks = {mode: _peak_extra_mib(device, fn) for mode, fn in fns.items()}
+        secs = timer(fns)
+        for mode in models:
+            out[mode]["prefill"].append({"prompt": p_len, "s": secs[mode], "tokens_per_s": p_len / secs[mode],
+                                         "peak_extra_mib": peaks[mode]})
+    new = args.new_tokens
     for batch in args.batches:
         ids = torch.randint(2, vocab, (batch, args.decode_prompt), generator=gen).to(device)
         mask = torch.ones_like(ids)
 
-        def generate(n: int):
+        def generate(model, n: int):
             return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-        t_n, t_1 = timer(lambda: generate(args.new_tokens)), timer(lambda: generate(1))
-        tokens = generate(args.new_tokens)[:, args.decode_prompt:]
-        new = args.new_tokens
-        out["decode"].append({
-            "batch": batch, "new_tokens": new, "generated": tokens.shape[1], "s_all": t_n, "s_first": t_1,
-            "decode_tokens_per_s": batch * (new - 1) / (t_n - t_1) if t_n > t_1 else None,
-            "generate_tokens_per_s": batch * new / t_n,
-            "tokens": tokens[0].tolist(),
-        })
+        fns = {(mode, n): (lambda m=m, n=n: generate(m, n)) for mode, m in models.items() for n in (new, 1)}
+        secs = timer(fns)
+        for mode, model in models.items():
+            t_n, t_1 = secs[(mode, new)], secs[(mode, 1)]
+            tokens = generate(model, new)[:, args.decode_prompt:]
+            out[mode]["decode"].append({
+                "batch": batch, "new_tokens": new, "generated": tokens.shape[1], "s_all": t_n, "s_first": t_1,
+                "decode_tokens_per_s": batch * (new - 1) / (t_n - t_1) if t_n > t_1 else None,
+                "generate_tokens_per_s": batch * new / t_n,
+                "tokens": tokens[0].tolist(),
+            })
     return out
 
 
@@ -143,7 +165,8 @@ def run(args: argparse.Namespace) -> dict:
     dims, dtype = (TINY if args.dry_run else LLAMA3_8B), torch.bfloat16
     backend = "torch" if args.dry_run else "auto"
     t0 = time.perf_counter()
-    model = build_model(dims, args.layers, device, dtype, args.seed)
+    eager = build_model(dims, args.layers, device, dtype, args.seed)
+    patched = build_model(dims, args.layers, device, dtype, args.seed)  # the same weights
     build_s = time.perf_counter() - t0
     timer = make_timer(device, args.reps)
     probe = torch.randint(2, dims["vocab_size"], (1, min(512, max(args.prefill))),
@@ -151,19 +174,19 @@ def run(args: argparse.Namespace) -> dict:
     data = {
         "schema": SCHEMA, "kind": "bench_e2e", "env": environment(device, args.commit),
         "model": {**dims, "layers": args.layers, "dtype": str(dtype).removeprefix("torch."), "attn": "sdpa",
-                  "params": sum(p.numel() for p in model.parameters()), "build_s": round(build_s, 1)},
-        "settings": {"reps": args.reps, "stat": "median wall time, GPU synchronized", "decode_prompt": args.decode_prompt,
-                     "new_tokens": args.new_tokens, "backend": backend, "dry_run": args.dry_run},
+                  "params": sum(p.numel() for p in eager.parameters()), "build_s": round(build_s, 1)},
+        "settings": {"reps": args.reps, "stat": "median wall time, GPU synchronized, eager and patched taking turns",
+                     "decode_prompt": args.decode_prompt, "new_tokens": args.new_tokens, "backend": backend,
+                     "dry_run": args.dry_run},
     }
     with torch.inference_mode():
-        logits_eager = model(probe).logits.float()
-        data["eager"] = measure(model, args, device, dims["vocab_size"], timer)
-        report = apply_fused_mlp(model, backend=backend)
+        report = apply_fused_mlp(patched, backend=backend)
         data["patch_report"] = str(report)
         if len(report.patched) != args.layers:
             raise SystemExit(f"bench_e2e: apply_fused_mlp patched {len(report.patched)} of {args.layers} MLPs:\n{report}")
-        logits_fused = model(probe).logits.float()
-        data["patched"] = measure(model, args, device, dims["vocab_size"], timer)
+        logits_eager = eager(probe).logits.float()
+        logits_fused = patched(probe).logits.float()
+        data.update(measure({"eager": eager, "patched": patched}, args, device, dims["vocab_size"], timer))
     diff = (logits_fused - logits_eager).abs()
     data["agreement"] = {
         "probe_tokens": probe.shape[1],

@@ -61,14 +61,67 @@ def host_us(fn, calls: int = 300) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def host_us_from_idle(fn, calls: int = 200) -> float:
+    """Median host µs of one call started on an idle GPU: each call is timed alone after a
+    synchronize, so a kernel longer than the host path cannot make launches wait on a full
+    queue, and what is timed is the Python and driver time a host-bound decode step pays."""
+    times = []
+    for _ in range(calls + 10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times[10:])[calls // 2] * 1e6
+
+
+def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
+    """The pieces of one M=1 MLP forward as a decode step runs them, eager and patched."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from swiglu_patch.module import FusedGatedMLP
+    from swiglu_patch.registry import FAMILIES
+
+    cfg = LlamaConfig(hidden_size=dim, intermediate_size=inter)
+    eager = LlamaMLP(cfg).to("cuda", dt).requires_grad_(False)
+    patched = LlamaMLP(cfg).to("cuda", dt).requires_grad_(False)
+    patched = FusedGatedMLP(patched, FAMILIES["llama"], "silu")
+    x3 = torch.randn(1, 1, dim, device="cuda", dtype=dt)
+    x2 = x3.view(1, dim)
+    g = eager.gate_proj.weight
+    packed = patched.gate_up_interleaved
+    out = torch.empty(1, inter, device="cuda", dtype=dt)
+    cfg1 = default_config(1, dt)
+    return {
+        "F.linear (cuBLAS) gate_proj": lambda: torch.nn.functional.linear(x3, g),
+        "F.silu": lambda: torch.nn.functional.silu(x3),
+        "mul": lambda: x3 * x3,
+        "LlamaMLP forward (eager, 5 kernels)": lambda: eager(x3),
+        "FusedGatedMLP forward (patched, 2 kernels)": lambda: patched(x3),
+        "gated_linear [1, 1, K]": lambda: gated_linear(x3, packed, "silu"),
+        "gated_gemm [1, K] (allocates out)": lambda: gated_gemm(x2, packed, "silu"),
+        "gated_gemm [1, K], out and config given": lambda: gated_gemm(x2, packed, "silu", out=out, config=cfg1,
+                                                                       kernel="pointer"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
     ap.add_argument("--tokens", nargs="*", type=int, default=[128, 256, 512, 2048])
+    ap.add_argument("--decode-only", action="store_true", help="only the M=1 host times of an MLP forward's pieces")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dt = torch.bfloat16
     rows = []
+    with torch.inference_mode():  # as generate runs them
+        for name, fn in decode_ways(4096, 14336, dt).items():
+            rows.append(dict(way=name, shape="llama-3-8b", m=1, host_us_from_idle=host_us_from_idle(fn)))
+            print(f"idle  llama-3-8b M=1 {name:44s} {rows[-1]['host_us_from_idle']:7.1f} us/call", flush=True)
+    if args.decode_only:
+        (args.out / "launch_overhead.json").write_text(json.dumps(dict(
+            gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+        return
     tiny_x = torch.randn(128, 256, device="cuda", dtype=dt)
     tiny_w = torch.randn(512, 256, device="cuda", dtype=dt)
     tiny_o = torch.empty(128, 256, device="cuda", dtype=dt)

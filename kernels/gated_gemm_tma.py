@@ -30,8 +30,6 @@ row strides and base pointers. `tma_supported` says whether a call qualifies; ot
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +37,9 @@ from triton.runtime import _allocation
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gated_gemm import GatedGemmConfig, _apply_activation, _tile_pid
+from .gated_gemm import num_sms as _num_sms
 from .layout import GATE_UP_BLOCK
+from .stream_k import sk_first_iter, sk_owner, sk_piece_slot, stream_k_counts
 
 
 @triton.jit
@@ -68,18 +68,6 @@ def _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
     gate, up = tl.split(tl.reshape(acc, (BLOCK_SIZE_M, BLOCK_SIZE_N, 2)))  # [BLOCK_SIZE_M, BLOCK_SIZE_N] each
     h = _apply_activation(gate, ACTIVATION) * up
     out_desc.store([offs_m, pid_n * BLOCK_SIZE_N], h.to(out_desc.dtype))
-
-
-@triton.jit
-def _sk_first_iter(p, q, r):
-    """First stream-K iteration of program p when the iterations are split q (+1 for p < r) each."""
-    return p * q + tl.minimum(p, r)
-
-
-@triton.jit
-def _sk_owner(it, q, r):
-    """The program whose stream-K range holds iteration `it`."""
-    return tl.where(it < r * (q + 1), it // (q + 1), r + (it - r * (q + 1)) // tl.maximum(q, 1))
 
 
 @triton.jit
@@ -131,8 +119,8 @@ def _gated_gemm_tma_tiles(
         sk_iters = (num_tiles - dp_tiles) * k_tiles
         q = sk_iters // NUM_PROGRAMS
         r = sk_iters % NUM_PROGRAMS
-        run_begin = _sk_first_iter(start_pid, q, r)
-        run_end = _sk_first_iter(start_pid + 1, q, r)
+        run_begin = sk_first_iter(start_pid, q, r)
+        run_end = sk_first_iter(start_pid + 1, q, r)
         offs_acc = tl.arange(0, BLOCK_SIZE_M)[:, None] * (2 * BLOCK_SIZE_N) + tl.arange(0, 2 * BLOCK_SIZE_N)[None, :]
         it = run_begin
         while it < run_end:
@@ -155,8 +143,8 @@ def _gated_gemm_tma_tiles(
                 if done + k_end - k_begin == k_tiles:  # the last piece in: sum all, in program order
                     tile_begin = sk_tile * k_tiles
                     acc = tl.zeros((BLOCK_SIZE_M, 2 * BLOCK_SIZE_N), dtype=tl.float32)
-                    for p in range(_sk_owner(tile_begin, q, r), _sk_owner(tile_begin + k_tiles - 1, q, r) + 1):
-                        p_slot = 2 * p + (_sk_first_iter(p, q, r) < tile_begin).to(tl.int32)
+                    for p in range(sk_owner(tile_begin, q, r), sk_owner(tile_begin + k_tiles - 1, q, r) + 1):
+                        p_slot = sk_piece_slot(p, tile_begin, q, r)
                         acc += tl.load(ws_ptr + p_slot.to(tl.int64) * (BLOCK_SIZE_M * 2 * BLOCK_SIZE_N) + offs_acc,
                                        cache_modifier=".cg")
                     _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
@@ -210,11 +198,6 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
@@ -234,19 +217,6 @@ def tma_supported(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | Non
 # with 30-60% idle it measured slower (writing and summing the fp32 pieces costs more than the
 # balance wins).
 STREAM_K_MIN_IDLE = 0.8
-
-# Per (device, stream): int32 arrival counts of the stream-K tiles, zero between calls (each
-# tile's last piece resets its count). Calls on one stream run in order, so they can share.
-_sk_counts: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _stream_k_counts(device: torch.device, n: int) -> torch.Tensor:
-    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (-1, 0)
-    cnt = _sk_counts.get(key)
-    if cnt is None or cnt.numel() < n:
-        cnt = _sk_counts[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return cnt
-
 
 def stream_k_split(m: int, i: int, config: GatedGemmConfig, programs: int,
                    min_idle: float = STREAM_K_MIN_IDLE) -> int:
@@ -292,7 +262,7 @@ def gated_gemm_tma(
     stream_k = dp_tiles < triton.cdiv(m, bm) * triton.cdiv(i, bn)
     if stream_k:  # fp32 pieces of split tiles: two slots per program; counts per stream-K tile
         ws = torch.empty((2 * programs, bm, 2 * bn), dtype=torch.float32, device=x.device)
-        cnt = _stream_k_counts(x.device, programs)
+        cnt = stream_k_counts(x.device, programs)
     else:
         ws = cnt = packed  # unused
     meta = dict(

@@ -15,14 +15,22 @@ from .kernels.reference import gated_linear_reference
 BACKENDS = ("auto", "triton", "torch")
 
 
+_gated_gemm_module = None
+
+
 def _triton():
-    try:
-        from .kernels import gated_gemm
-    except ImportError as e:  # triton missing (not Linux) or broken
-        raise ImportError(
-            f"gated_linear: backend='triton' needs Triton ({e}); `pip install triton` on Linux, or use backend='torch'"
-        ) from e
-    return gated_gemm
+    """The Triton kernels' module, imported on first use (the torch backend needs no Triton)."""
+    global _gated_gemm_module
+    if _gated_gemm_module is None:
+        try:
+            from .kernels import gated_gemm
+        except ImportError as e:  # triton missing (not Linux) or broken
+            raise ImportError(
+                f"gated_linear: backend='triton' needs Triton ({e}); `pip install triton` on Linux, "
+                "or use backend='torch'"
+            ) from e
+        _gated_gemm_module = gated_gemm
+    return _gated_gemm_module
 
 
 @torch.library.custom_op("swiglu_patch::gated_gemm", mutates_args=())
@@ -105,10 +113,9 @@ def gated_linear(
     check_activation("gated_linear", activation)
     _check(x, packed_weight, bias)
     backend = resolve_backend(backend, x.device)
-    x2d = x.reshape(-1, x.shape[-1])
-    out_shape = (*x.shape[:-1], packed_weight.shape[0] // 2)
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if backend == "torch":
-        return gated_linear_reference(x2d, packed_weight, activation, bias).view(out_shape)
+        return _unflatten(gated_linear_reference(x2d, packed_weight, activation, bias), x)
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"gated_linear: the Triton kernel takes bfloat16, float16 or float32, got {x.dtype}; "
                         "cast x and the weight, or use backend='torch'")
@@ -124,4 +131,9 @@ def gated_linear(
         out = _gated_gemm_op(x2d, packed_weight, bias, activation)
     else:  # eager: skip the dispatcher's overhead on the hot path
         out = _triton().gated_gemm(x2d, packed_weight, activation, bias)
-    return out.view(out_shape)
+    return _unflatten(out, x)
+
+
+def _unflatten(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """[M, I] back to x's leading dims."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
