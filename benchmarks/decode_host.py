@@ -4,7 +4,9 @@ Decode of a small batch is host-bound: the GPU finishes each kernel before Pytho
 launched the next. This script builds `bench_e2e`'s model, runs `generate` in both modes and
 reports, per mode:
 
-- wall ms per decode step (`(t(N new) - t(1 new)) / (N - 1)`, GPU synchronized);
+- wall ms per decode step (`(t(N new) - t(1 new)) / (N - 1)`, GPU synchronized), the two
+  modes on two copies of the model timed in turns (the host's speed drifts by tens of percent
+  between minutes on the device machine: a run of one mode after the other measures that);
 - host µs spent inside each MLP's forward per call (forward pre/post hooks, no sync: the
   time Python takes to launch the MLP's kernels, which is what a host-bound step pays);
 - the top functions of a cProfile of one `generate`, by own time.
@@ -59,35 +61,43 @@ class MlpHostClock:
             h.remove()
 
 
-def profile_mode(model, ids, mask, new: int, reps: int, sync) -> dict:
-    def generate(n):
-        return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+def _generate(model, ids, n: int):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False)
 
-    generate(new)
-    sync()
-    t_all, t_one = [], []
-    for _ in range(reps):  # interleave N-token and 1-token runs: drift cancels in the difference
-        for n, times in ((new, t_all), (1, t_one)):
-            t0 = time.perf_counter()
-            generate(n)
+
+def step_ms(models: dict, ids, new: int, reps: int, sync) -> dict:
+    """{mode: wall ms per decode step}: (t(new) - t(1)) / (new - 1), medians of `reps` rounds in
+    which every (mode, n) runs in turn, so host drift falls on all modes alike."""
+    times = {(mode, n): [] for mode in models for n in (new, 1)}
+    for mode, model in models.items():
+        _generate(model, ids, new)
+    for _ in range(reps):
+        for (mode, n), ts in times.items():
             sync()
-            times.append(time.perf_counter() - t0)
-    step_ms = (statistics.median(t_all) - statistics.median(t_one)) / (new - 1) * 1e3
+            t0 = time.perf_counter()
+            _generate(models[mode], ids, n)
+            sync()
+            ts.append(time.perf_counter() - t0)
+    med = {key: statistics.median(ts) for key, ts in times.items()}
+    return {mode: (med[(mode, new)] - med[(mode, 1)]) / (new - 1) * 1e3 for mode in models}
 
+
+def mlp_host_and_profile(model, ids, new: int, sync) -> dict:
+    """Host µs per MLP forward over one generate, and a cProfile of another."""
     clock = MlpHostClock(_mlps(model))
-    generate(new)
+    _generate(model, ids, new)
     sync()
     mlp_us = clock.total / max(clock.calls, 1) * 1e6
     clock.remove()
-
     prof = cProfile.Profile()
     prof.enable()
-    generate(new)
+    _generate(model, ids, new)
     sync()
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    return {"step_ms": step_ms, "mlp_host_us_per_call": mlp_us, "mlp_calls": clock.calls, "cprofile": s.getvalue()}
+    return {"mlp_host_us_per_call": mlp_us, "mlp_calls": clock.calls, "cprofile": s.getvalue()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     dims = TINY if args.dry_run else LLAMA3_8B
-    model = build_model(dims, args.layers, device, torch.bfloat16, seed=0)
+    models = {mode: build_model(dims, args.layers, device, torch.bfloat16, seed=0) for mode in ("eager", "patched")}
+    apply_fused_mlp(models["patched"], backend="torch" if args.dry_run else "auto")
 
     def sync():
         if device.type == "cuda":
@@ -112,14 +123,13 @@ def main(argv: list[str] | None = None) -> int:
 
     data = {"env": environment(device, args.commit), "layers": args.layers, "new_tokens": args.new_tokens, "rows": []}
     gen = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(2, dims["vocab_size"], (b, 32), generator=gen).to(device) for b in args.batch}
     with torch.inference_mode():
-        for mode in ("eager", "patched"):
-            if mode == "patched":
-                apply_fused_mlp(model, backend="torch" if args.dry_run else "auto")
-            for b, ids in prompts.items():
-                r = profile_mode(model, ids, torch.ones_like(ids), args.new_tokens, args.reps, sync)
-                data["rows"].append({"mode": mode, "batch": b, **r})
+        for b in args.batch:
+            ids = torch.randint(2, dims["vocab_size"], (b, 32), generator=gen).to(device)
+            steps = step_ms(models, ids, args.new_tokens, args.reps, sync)
+            for mode, model in models.items():
+                r = {"mode": mode, "batch": b, "step_ms": steps[mode], **mlp_host_and_profile(model, ids, args.new_tokens, sync)}
+                data["rows"].append(r)
                 print(f"{mode:8s} batch {b:3d}: {r['step_ms']:.3f} ms/step, MLP forward host "
                       f"{r['mlp_host_us_per_call']:.1f} us/call", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -31,8 +31,6 @@ from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, 
 
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
 
-# Pointer-kernel configs are `CANDIDATE_CONFIGS`, and up to M = 64 each of them with stream-K
-# (every tile split by K over 1 or 2 persistent programs per SM) too.
 # TMA kernel tiles (block_n = output columns; the weight box is 2 * block_n rows). 128-row
 # tiles are tried with and without warp specialization, and for 64 < M <= 4096 every tile
 # also with stream-K (the last partial wave split over all SMs by K).
@@ -61,8 +59,6 @@ def variants(m: int) -> list[tuple[str, dict]]:
         if (m <= 16 and c.block_m <= 16) or (16 < m <= 64 and 16 < c.block_m <= 64)
         or (64 < m <= 256 and c.block_m == 64)
     ]
-    if m <= 64:  # decode and small M: also stream-K over 1 or 2 persistent programs per SM
-        ptr += [dataclasses.replace(c, stream_k=True, programs_per_sm=pps) for c in ptr for pps in (1, 2)]
     out = [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr]
     tma = [c for c in TMA_CONFIGS if m >= 48 and (m < 512 or c.block_m == 128)]
     tma += TMA_DECODE_CONFIGS if 16 < m <= 96 else []

@@ -32,7 +32,6 @@ import triton.language as tl
 
 from .activations import ACTIVATION_CODES, check_activation
 from .layout import GATE_UP_BLOCK
-from .stream_k import sk_first_iter, sk_owner, sk_piece_slot, stream_k_counts
 
 
 @triton.jit
@@ -66,58 +65,8 @@ def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(pid_m, pid_n, M, I, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr,
-               GATE_UP_BLOCK: tl.constexpr):
-    """Token rows and packed gate/up weight rows of output tile (pid_m, pid_n), with masks."""
-    offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
-    offs_i = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    block_start = (offs_i // GATE_UP_BLOCK) * GATE_UP_BLOCK
-    width = tl.minimum(I - block_start, GATE_UP_BLOCK)
-    gate_rows = (offs_i + block_start).to(tl.int64)  # 2 * block_start + (offs_i - block_start)
-    up_rows = gate_rows + width
-    return offs_m, offs_i, gate_rows, up_rows, offs_m < M, offs_i < I
-
-
-@triton.jit
-def _k_range_acc(x_ptr, w_ptr, offs_m, gate_rows, up_rows, mask_m, mask_i, k_begin, k_end, K,
-                 stride_xm, stride_xk, stride_wn, stride_wk, INPUT_PRECISION: tl.constexpr,
-                 BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
-    """(gate, up) fp32 [BLOCK_SIZE_M, BLOCK_SIZE_N] sums over K blocks k_begin..k_end-1."""
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    k0 = k_begin * BLOCK_SIZE_K
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk  # [BM, BK]
-    wg_ptrs = w_ptr + gate_rows[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk  # [BK, BN]
-    wu_ptrs = w_ptr + up_rows[None, :] * stride_wn + (k0 + offs_k)[:, None] * stride_wk  # [BK, BN]
-    acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(k_begin, k_end):
-        k_left = K - k * BLOCK_SIZE_K
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        wg = tl.load(wg_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        wu = tl.load(wu_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
-        acc_gate = tl.dot(x, wg, acc_gate, input_precision=INPUT_PRECISION)
-        acc_up = tl.dot(x, wu, acc_up, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_SIZE_K * stride_xk
-        wg_ptrs += BLOCK_SIZE_K * stride_wk
-        wu_ptrs += BLOCK_SIZE_K * stride_wk
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _epilogue(acc_gate, acc_up, b_ptr, out_ptr, offs_m, offs_i, gate_rows, up_rows, mask_m, mask_i,
-              stride_om, stride_oi, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Bias, act(gate) * up in fp32, one rounding, one store of the [BM, BN] output tile."""
-    if HAS_BIAS:
-        acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-    h = _apply_activation(acc_gate, ACTIVATION) * acc_up
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
-
-
-@triton.jit
 def _gated_gemm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr,
     M, I, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
@@ -130,67 +79,47 @@ def _gated_gemm_fwd_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    STREAM_K: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
 ):
-    """One output tile per program, or (STREAM_K) NUM_PROGRAMS persistent programs that split
-    all tiles' K iterations evenly (`stream_k.py`), pieces in ws [2 * NUM_PROGRAMS, 2, BM, BN]."""
+    # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-    num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
-    num_pid_in_group = GROUP_SIZE_M * num_pid_n
-    k_tiles = tl.cdiv(K, BLOCK_SIZE_K)
-    if not STREAM_K:
-        # tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2
-        pid_m, pid_n = _tile_pid(tl.program_id(0), num_pid_in_group, num_pid_m, GROUP_SIZE_M)
-        offs_m, offs_i, gate_rows, up_rows, mask_m, mask_i = _tile_rows(
-            pid_m, pid_n, M, I, BLOCK_SIZE_M, BLOCK_SIZE_N, GATE_UP_BLOCK)
-        acc_gate, acc_up = _k_range_acc(x_ptr, w_ptr, offs_m, gate_rows, up_rows, mask_m, mask_i, 0, k_tiles, K,
-                                        stride_xm, stride_xk, stride_wn, stride_wk, INPUT_PRECISION,
-                                        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
-        _epilogue(acc_gate, acc_up, b_ptr, out_ptr, offs_m, offs_i, gate_rows, up_rows, mask_m, mask_i,
-                  stride_om, stride_oi, HAS_BIAS, ACTIVATION)
-    else:
-        # every SM streams one contiguous run of (tile, K block) iterations: no partial last wave
-        pid = tl.program_id(0)
-        iters = num_pid_m * num_pid_n * k_tiles
-        q = iters // NUM_PROGRAMS
-        r = iters % NUM_PROGRAMS
-        run_begin = sk_first_iter(pid, q, r)
-        run_end = sk_first_iter(pid + 1, q, r)
-        piece = BLOCK_SIZE_M * BLOCK_SIZE_N
-        offs_piece = tl.arange(0, BLOCK_SIZE_M)[:, None] * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)[None, :]
-        it = run_begin
-        while it < run_end:
-            tile = it // k_tiles
-            k_begin = it % k_tiles
-            k_end = tl.minimum(k_tiles, k_begin + run_end - it)
-            pid_m, pid_n = _tile_pid(tile, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
-            offs_m, offs_i, gate_rows, up_rows, mask_m, mask_i = _tile_rows(
-                pid_m, pid_n, M, I, BLOCK_SIZE_M, BLOCK_SIZE_N, GATE_UP_BLOCK)
-            acc_gate, acc_up = _k_range_acc(x_ptr, w_ptr, offs_m, gate_rows, up_rows, mask_m, mask_i,
-                                            k_begin, k_end, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                                            INPUT_PRECISION, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
-            if k_end - k_begin == k_tiles:  # the whole tile in this run
-                _epilogue(acc_gate, acc_up, b_ptr, out_ptr, offs_m, offs_i, gate_rows, up_rows, mask_m, mask_i,
-                          stride_om, stride_oi, HAS_BIAS, ACTIVATION)
-            else:
-                slot = (2 * pid + (it != run_begin).to(tl.int32)).to(tl.int64)
-                tl.store(ws_ptr + slot * (2 * piece) + offs_piece, acc_gate)
-                tl.store(ws_ptr + slot * (2 * piece) + piece + offs_piece, acc_up)
-                tl.debug_barrier()  # every thread's piece is stored before the count says so
-                done = tl.atomic_add(cnt_ptr + tile, k_end - k_begin, sem="acq_rel", scope="gpu")
-                if done + k_end - k_begin == k_tiles:  # the last piece in: sum all, in program order
-                    tile_begin = tile * k_tiles
-                    acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-                    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-                    for p in range(sk_owner(tile_begin, q, r), sk_owner(tile_begin + k_tiles - 1, q, r) + 1):
-                        base = ws_ptr + sk_piece_slot(p, tile_begin, q, r).to(tl.int64) * (2 * piece) + offs_piece
-                        acc_gate += tl.load(base, cache_modifier=".cg")
-                        acc_up += tl.load(base + piece, cache_modifier=".cg")
-                    _epilogue(acc_gate, acc_up, b_ptr, out_ptr, offs_m, offs_i, gate_rows, up_rows, mask_m,
-                              mask_i, stride_om, stride_oi, HAS_BIAS, ACTIVATION)
-                    tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call on this stream
-            it += k_end - k_begin
+    pid_m, pid_n = _tile_pid(tl.program_id(0), GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), num_pid_m, GROUP_SIZE_M)
+
+    # -- which packed rows hold this tile's gate and up rows --
+    offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
+    offs_i = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    block_start = (offs_i // GATE_UP_BLOCK) * GATE_UP_BLOCK
+    width = tl.minimum(I - block_start, GATE_UP_BLOCK)
+    gate_rows = (offs_i + block_start).to(tl.int64)  # 2 * block_start + (offs_i - block_start)
+    up_rows = gate_rows + width
+    mask_m = offs_m < M
+    mask_i = offs_i < I
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_SIZE_M, BLOCK_SIZE_K]
+    wg_ptrs = w_ptr + gate_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+    wu_ptrs = w_ptr + up_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+
+    # -- main loop: two fp32 accumulators over K --
+    acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        k_left = K - k * BLOCK_SIZE_K
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(wg_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        wu = tl.load(wu_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
+        acc_gate = tl.dot(x, wg, acc_gate, input_precision=INPUT_PRECISION)
+        acc_up = tl.dot(x, wu, acc_up, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_SIZE_K * stride_xk
+        wg_ptrs += BLOCK_SIZE_K * stride_wk
+        wu_ptrs += BLOCK_SIZE_K * stride_wk
+
+    # -- epilogue: bias, act(gate) * up in fp32, one rounding, one store --
+    if HAS_BIAS:
+        acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    h = _apply_activation(acc_gate, ACTIVATION) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
 
 
 @dataclass(frozen=True)
@@ -204,11 +133,7 @@ class GatedGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
-    # stream-K (`stream_k.py`). Pointer kernel: programs_per_sm persistent programs per SM split
-    # every tile's K iterations evenly. TMA kernel: one program per SM; only the tiles of a
-    # mostly idle last wave are split.
-    stream_k: bool = False
-    programs_per_sm: int = 1
+    stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -331,11 +256,11 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 @lru_cache(maxsize=256)
-def _launch_meta(cfg: GatedGemmConfig, code: int, has_bias: bool, precision: str, programs: int) -> dict:
+def _launch_meta(cfg: GatedGemmConfig, code: int, has_bias: bool, precision: str) -> dict:
     """The pointer kernel's constexpr and launch keywords (built once per combination)."""
     return dict(
         HAS_BIAS=has_bias, ACTIVATION=code, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(),
-        STREAM_K=cfg.stream_k, NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -374,20 +299,13 @@ def gated_gemm(
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n)
-    if cfg.stream_k:  # persistent: pieces of split tiles in ws, one arrival count per tile
-        programs = (num_sms(x.device.index or 0) if x.is_cuda else 4) * cfg.programs_per_sm
-        ws = torch.empty((2 * programs, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
-        cnt = stream_k_counts(x.device, tiles)
-        grid = (programs,)
-    else:
-        programs, ws, cnt, grid = 1, packed, packed, (tiles,)  # ws, cnt unused
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](
-        x, packed, bias if bias is not None else packed, out, ws, cnt,
+        x, packed, bias if bias is not None else packed, out,
         m, i, k,
         x.stride(0), x.stride(1),
         packed.stride(0), packed.stride(1),
         out.stride(0), out.stride(1),
-        **_launch_meta(cfg, code, bias is not None, _input_precision(x.dtype), programs),
+        **_launch_meta(cfg, code, bias is not None, _input_precision(x.dtype)),
     )
     return out

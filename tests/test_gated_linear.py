@@ -253,36 +253,6 @@ def test_tma_stream_k_matches_float64_and_is_deterministic(m, k, i, bias):
     assert all_counts_zero()  # every count reset for the next call
 
 
-# Pointer-kernel stream-K (decode): every tile split by K over the interpreter's 4 programs
-# (16x16x16 tiles) or all SMs (16x32x64): runs inside one tile, runs over several tiles,
-# fewer iterations than programs, partial tiles in M, I and K.
-PTR_SK_CONFIG = GatedGemmConfig(16, 16, 16, group_m=2, stream_k=True) if not CUDA else \
-    GatedGemmConfig(16, 32, 64, num_warps=4, num_stages=3, stream_k=True, programs_per_sm=2)
-PTR_SK_CASES = [(1, 200, 48), (5, 72, 37), (16, 64, 32), (33, 300, 100), (3, 8, 48)] + \
-    ([(1, 4096, 1000), (7, 1000, 300), (64, 130, 40)] if CUDA else [])
-
-
-@pytest.mark.parametrize("m,k,i", PTR_SK_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_pointer_stream_k_matches_float64_and_is_deterministic(m, k, i, dtype, bias):
-    from swiglu_patch.kernels.gated_gemm import gated_gemm
-    from swiglu_patch.kernels.stream_k import all_counts_zero
-
-    x, gate, up, bg, bu = make_case(m, 2 * k, i, dtype, bias)
-    x = x[:, ::2]  # non-contiguous rows and columns
-    gate, up = gate[:, ::2], up[:, ::2]
-    packed, packed_b = pack_gate_up(gate, up), (pack_gate_up(bg, bu) if bias else None)
-    outs = []
-    for _ in range(2):
-        out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
-        gated_gemm(x, packed, "silu", packed_b, out=out, config=PTR_SK_CONFIG, kernel="pointer")
-        outs.append(out)
-    check(outs[0], x, gate, up, bg, bu, "silu")
-    assert torch.equal(outs[0], outs[1])  # pieces are summed in program order, whoever arrives last
-    assert all_counts_zero()  # every count reset for the next call
-
-
 def test_stream_k_only_where_the_last_wave_is_mostly_idle():
     from swiglu_patch.kernels.gated_gemm_tma import STREAM_K_MIN_IDLE, stream_k_split
 
