@@ -186,11 +186,32 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
     return table[min((b for b in table if b >= m_bucket(m)), default=max(table))]
 
 
-@lru_cache(maxsize=64)
-def default_config(m: int, dtype: torch.dtype) -> GatedGemmConfig:
+# Per GPU (a substring of the device name): the pointer kernel's decode config where it differs
+# from the H100's. H200 (benchmarks/results/tune_graph/tune_h200_bf16.json): at M <= 16 a
+# 16x(2*64)x256 tile with 3 stages measured 3-6% faster than the H100's 16x(2*32)x256 where
+# I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B) and 1-3% slower for wider I (Qwen2.5-7B,
+# Gemma-2-27B, Llama-3-70B), hence the I bound. Every other bucket: the H100's configs were
+# within 0.1% of the H200's best single config.
+_DECODE_WIDE_I_MAX = 16384
+_DECODE_BY_GPU: dict[str, GatedGemmConfig] = {
+    "H200": GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+}
+
+
+@lru_cache(maxsize=8)
+def _gpu_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+@lru_cache(maxsize=256)
+def default_config(m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None) -> GatedGemmConfig:
     """The shipped pointer-kernel config for M tokens (the hot path passes `m_bucket(M)`: one
-    cache entry per bucket)."""
+    cache entry per bucket), for I output columns on CUDA device `device_index` (None: the
+    H100 table, whatever the device)."""
     cfg = _for_bucket(_DEFAULTS, m)
+    if device_index is not None and m <= 16 and i is not None and i <= _DECODE_WIDE_I_MAX:
+        name = _gpu_name(device_index)
+        cfg = next((c for gpu, c in _DECODE_BY_GPU.items() if gpu in name), cfg)
     if dtype == torch.float32:
         cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k // 2))
     return cfg
@@ -298,7 +319,7 @@ def gated_gemm(
     code = ACTIVATION_CODES[activation]
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
-    cfg = config or default_config(m_bucket(m), x.dtype)
+    cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](
         x, packed, bias if bias is not None else packed, out,

@@ -84,6 +84,35 @@ def test_kernel_many_tiles_and_k_steps(config, dtype):
     check(out, x, gate, up, bg, bu, "silu")
 
 
+@pytest.mark.skipif(not CUDA, reason="shipped decode tiles are large: minutes in the interpreter")
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_every_shipped_decode_config_matches_float64(m):
+    """The H100 and the per-GPU decode configs, whichever GPU runs the test, on a shape whose I
+    is no multiple of any block."""
+    from swiglu_patch.kernels import gated_gemm as gg
+
+    x, gate, up, bg, bu = make_case(m, 1000, 600, torch.bfloat16, bias=True)
+    for config in [gg.default_config(16, torch.bfloat16), *gg._DECODE_BY_GPU.values()]:
+        out = torch.full((m, 600), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        gated_gemm(x, pack_gate_up(gate, up), "silu", pack_gate_up(bg, bu), out=out, config=config)
+        check(out, x, gate, up, bg, bu, "silu")
+
+
+def test_decode_config_per_gpu_and_width(monkeypatch):
+    from swiglu_patch.kernels import gated_gemm as gg
+
+    pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
+    h100 = gg._for_bucket(gg._DEFAULTS, 1)
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
+    assert pick(1, torch.bfloat16, 14336, 0) == pick(16, torch.bfloat16, 8192, 0) == gg._DECODE_BY_GPU["H200"]
+    assert pick(1, torch.bfloat16, 18944, 0) == h100  # wider I than the H200 rule covers
+    assert pick(32, torch.bfloat16, 14336, 0) == gg._for_bucket(gg._DEFAULTS, 32)  # not decode
+    assert pick(1, torch.bfloat16, 14336, None) == h100  # no CUDA device: the H100 table
+    assert pick(1, torch.float32, 14336, 0).block_k == gg._DECODE_BY_GPU["H200"].block_k // 2
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert pick(1, torch.bfloat16, 14336, 0) == h100
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_non_contiguous_and_leading_dims(backend, dtype):
