@@ -74,28 +74,6 @@ def host_us_from_idle(fn, calls: int = 200) -> float:
     return sorted(times[10:])[calls // 2] * 1e6
 
 
-def _raw_launch_ways(x, packed, out, cfg) -> dict:
-    """The pointer kernel launched through the JIT, and its compiled kernel launched directly
-    with the same arguments: what a cached launcher could save per call (not a shipped path)."""
-    from swiglu_patch.kernels import gated_gemm as gg
-
-    m, k = x.shape
-    i = packed.shape[0] // 2
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
-    args = (x, packed, packed, out, m, i, k, x.stride(0), x.stride(1), packed.stride(0), packed.stride(1),
-            out.stride(0), out.stride(1))
-    meta = gg._launch_meta(cfg, ACTIVATION_CODES["silu"], False, "tf32")
-    kern = gg._gated_gemm_fwd_kernel
-    compiled = kern[grid](*args, **meta)
-    named = dict(zip(kern.arg_names, args), **meta)
-    bound = [named[n] for n in kern.arg_names]
-    runner = compiled[grid]
-    return {
-        "JIT launch kernel[grid](...)": lambda: kern[grid](*args, **meta),
-        "compiled kernel launch (no JIT binding)": lambda: runner(*bound),
-    }
-
-
 def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
     """The pieces of one M=1 MLP forward as a decode step runs them, eager and patched."""
     from transformers import LlamaConfig
@@ -115,7 +93,6 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
     out = torch.empty(1, inter, device="cuda", dtype=dt)
     cfg1 = default_config(1, dt)
     return {
-        **_raw_launch_ways(x2, packed, out, cfg1),
         "F.linear (cuBLAS) gate_proj": lambda: torch.nn.functional.linear(x3, g),
         "F.silu": lambda: torch.nn.functional.silu(x3),
         "mul": lambda: x3 * x3,

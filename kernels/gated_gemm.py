@@ -188,7 +188,7 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
 
 # Per GPU (a substring of the device name): the pointer kernel's decode config where it differs
 # from the H100's. H200 (benchmarks/results/tune_graph/tune_h200_bf16.json): at M <= 16 a
-# 16x(2*64)x256 tile with 3 stages measured 3-6% faster than the H100's 16x(2*32)x256 where
+# 16x(2*64)x256 tile with 3 stages measured 2-6% faster than the H100's 16x(2*32)x256 where
 # I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B) and 1-3% slower for wider I (Qwen2.5-7B,
 # Gemma-2-27B, Llama-3-70B), hence the I bound. Every other bucket: the H100's configs were
 # within 0.1% of the H200's best single config.

@@ -84,16 +84,16 @@ def test_kernel_many_tiles_and_k_steps(config, dtype):
     check(out, x, gate, up, bg, bu, "silu")
 
 
-@pytest.mark.skipif(not CUDA, reason="shipped decode tiles are large: minutes in the interpreter")
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_every_shipped_decode_config_matches_float64(m):
-    """The H100 and the per-GPU decode configs, whichever GPU runs the test, on a shape whose I
-    is no multiple of any block."""
+    """The H100 and the per-GPU decode configs, whichever GPU runs the test (bf16 there, fp16 in
+    the interpreter), on a shape whose I and K are no multiple of any block."""
     from swiglu_patch.kernels import gated_gemm as gg
 
-    x, gate, up, bg, bu = make_case(m, 1000, 600, torch.bfloat16, bias=True)
-    for config in [gg.default_config(16, torch.bfloat16), *gg._DECODE_BY_GPU.values()]:
-        out = torch.full((m, 600), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x, gate, up, bg, bu = make_case(m, 1000, 600, dtype, bias=True)
+    for config in [gg.default_config(16, dtype), *gg._DECODE_BY_GPU.values()]:
+        out = torch.full((m, 600), float("nan"), dtype=dtype, device=DEVICE)
         gated_gemm(x, pack_gate_up(gate, up), "silu", pack_gate_up(bg, bu), out=out, config=config)
         check(out, x, gate, up, bg, bu, "silu")
 
