@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             ids = torch.randint(2, dims["vocab_size"], (b, 32), generator=gen).to(device)
             steps = step_ms(models, ids, args.new_tokens, args.reps, sync)
             for mode, model in models.items():
-                r = {"mode": mode, "batch": b, "step_ms": steps[mode], **mlp_host_and_profile(model, ids, args.new_tokens, sync)}
+                r = {"mode": mode, "batch": b, "step_ms": steps[mode],
+                     **mlp_host_and_profile(model, ids, args.new_tokens, sync)}
                 data["rows"].append(r)
                 print(f"{mode:8s} batch {b:3d}: {r['step_ms']:.3f} ms/step, MLP forward host "
                       f"{r['mlp_host_us_per_call']:.1f} us/call", flush=True)

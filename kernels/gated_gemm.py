@@ -204,7 +204,9 @@ def _gpu_name(device_index: int) -> str:
 
 
 @lru_cache(maxsize=256)
-def default_config(m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None) -> GatedGemmConfig:
+def default_config(
+    m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None
+) -> GatedGemmConfig:
     """The shipped pointer-kernel config for M tokens (the hot path passes `m_bucket(M)`: one
     cache entry per bucket), for I output columns on CUDA device `device_index` (None: the
     H100 table, whatever the device)."""
@@ -302,7 +304,7 @@ def gated_gemm(
         activation: "silu", "gelu_tanh" or "gelu".
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
-        config: launch config; `default_config(M, dtype)` if None.
+        config: launch config; if None, `default_config` for M's bucket, I and x's GPU.
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
             or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
 

@@ -1,4 +1,4 @@
-"""Stream-K bookkeeping shared by the persistent kernels (`gated_gemm_tma`, `gated_gemm`'s decode path).
+"""Stream-K bookkeeping for the persistent kernels (today `gated_gemm_tma`'s mostly idle last wave).
 
 Stream-K splits a range of (tile, K-iteration) pairs evenly over P persistent programs:
 with S iterations, program p runs the contiguous run [first(p), first(p + 1)) where the
