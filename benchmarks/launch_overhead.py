@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import triton
 
+from benchmarks.env_info import environment
 from benchmarks.shapes import SHAPES
 from swiglu_patch import gated_linear, pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATION_CODES
@@ -91,7 +92,7 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
     g = eager.gate_proj.weight
     packed = patched.gate_up_interleaved
     out = torch.empty(1, inter, device="cuda", dtype=dt)
-    cfg1 = default_config(1, dt)
+    cfg1 = default_config(1, dt, inter, torch.cuda.current_device())  # what gated_gemm picks on this GPU
     return {
         "F.linear (cuBLAS) gate_proj": lambda: torch.nn.functional.linear(x3, g),
         "F.silu": lambda: torch.nn.functional.silu(x3),
@@ -110,6 +111,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/overhead"))
     ap.add_argument("--tokens", nargs="*", type=int, default=[128, 256, 512, 2048])
     ap.add_argument("--decode-only", action="store_true", help="only the M=1 host times of an MLP forward's pieces")
+    ap.add_argument("--commit", default=None, help="git commit to record (the device's copy may have no .git)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     dt = torch.bfloat16
@@ -120,7 +122,7 @@ def main() -> None:
             print(f"idle  llama-3-8b M=1 {name:44s} {rows[-1]['host_us_from_idle']:7.1f} us/call", flush=True)
     if args.decode_only:
         (args.out / "launch_overhead.json").write_text(json.dumps(dict(
-            gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows), indent=1))
+            env=environment(torch.device("cuda"), args.commit), rows=rows), indent=1))
         return
     tiny_x = torch.randn(128, 256, device="cuda", dtype=dt)
     tiny_w = torch.randn(512, 256, device="cuda", dtype=dt)
