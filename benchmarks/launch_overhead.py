@@ -92,7 +92,7 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
     g = eager.gate_proj.weight
     packed = patched.gate_up_interleaved
     out = torch.empty(1, inter, device="cuda", dtype=dt)
-    cfg1 = default_config(1, dt, inter, torch.cuda.current_device())  # what gated_gemm picks on this GPU
+    cfg1 = default_config(1, dt, inter, torch.cuda.current_device(), dim)  # what gated_gemm picks on this GPU
     return {
         "F.linear (cuBLAS) gate_proj": lambda: torch.nn.functional.linear(x3, g),
         "F.silu": lambda: torch.nn.functional.silu(x3),

@@ -8,6 +8,7 @@ geometric-mean ratio to `gemm_only` across shapes: the tables in `kernels/gated_
 copied from that output.
 
     python -m benchmarks.tune_kernel --out $OUT/tune [--shapes llama-3-8b ...] [--tokens 1 16 ...]
+    python -m benchmarks.tune_kernel --variants tail --tokens 384 512 1024 ...   # last-wave handling
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from benchmarks.timing import GraphTimer
 from benchmarks.shapes import SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
-from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, gated_gemm, m_bucket
+from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, _tma_default, gated_gemm, m_bucket
 
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
 
@@ -70,6 +71,19 @@ def variants(m: int) -> list[tuple[str, dict]]:
     return out
 
 
+def tail_variants(m: int) -> list[tuple[str, dict]]:
+    """The shipped TMA tile for m's bucket and a 128x(2*64) one, each with the last partial wave
+    run whole, stream-K, split into narrower tiles, or either (stream-K where > 80% idle)."""
+    shipped = dataclasses.replace(_tma_default(m_bucket(m)), stream_k=False, split_tail=False)
+    tiles = [shipped, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=5)]
+    out = []
+    for c in dict.fromkeys(tiles):
+        for sk, split in ((False, False), (True, False), (False, True), (True, True)):
+            cfg = dataclasses.replace(c, stream_k=sk, split_tail=split)
+            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
+    return out
+
+
 def rel_err_rows(out, x, gate, up, act, rows):
     xr = x[rows].double()
     ref = ACTIVATIONS[act](xr @ gate.double().T) * (xr @ up.double().T)
@@ -82,6 +96,8 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
+    ap.add_argument("--variants", choices=["all", "tail"], default="all",
+                    help="all: every candidate tile; tail: last-wave handling of the shipped tiles")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds")
@@ -104,7 +120,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
-            for label, kw in variants(m):
+            for label, kw in (tail_variants(m) if args.variants == "tail" else variants(m)):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
                 out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")

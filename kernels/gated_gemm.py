@@ -134,6 +134,7 @@ class GatedGemmConfig:
     num_stages: int = 3
     warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
     stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
+    split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -186,16 +187,30 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
     return table[min((b for b in table if b >= m_bucket(m)), default=max(table))]
 
 
-# Per GPU (a substring of the device name): the pointer kernel's decode config where it differs
-# from the H100's. H200 (benchmarks/results/tune_graph/tune_h200_bf16.json): at M <= 16 a
-# 16x(2*64)x256 tile with 3 stages measured 2-6% faster than the H100's 16x(2*32)x256 where
-# I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B) and 1-3% slower for wider I (Qwen2.5-7B,
-# Gemma-2-27B, Llama-3-70B), hence the I bound. Every other bucket: the H100's configs were
-# within 0.1% of the H200's best single config.
-_DECODE_WIDE_I_MAX = 16384
-_DECODE_BY_GPU: dict[str, GatedGemmConfig] = {
-    "H200": GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3),
-}
+@dataclass(frozen=True)
+class DecodeRule:
+    """The pointer kernel's config at M <= 16 on a GPU whose name holds one of `gpus`, for
+    K <= k_max and I <= i_max (None: any)."""
+
+    gpus: tuple[str, ...]
+    k_max: int | None
+    i_max: int | None
+    config: GatedGemmConfig
+
+
+# Decode rules, first match wins; a call no rule covers takes `_DEFAULTS[16]`. From the graph-timed
+# decode sweeps (H100: benchmarks/results/tune_graph/tune_decode_streamk_h100_bf16.json, data-parallel
+# rows; H200: tune_h200_bf16.json), M = 1, 4, 16:
+_DECODE_RULES: tuple[DecodeRule, ...] = (
+    # K <= 2048 (Llama-3.2-1B): a 256-wide K block leaves 8 iterations, half of them pipeline fill;
+    # 16x(2*32)x128 measured 27.9 µs against 29.1 for 16x(2*32)x256 on the H100, 21.3 against 21.9
+    # for the next rule's tile on the H200.
+    DecodeRule(("H100", "H200"), 2048, None, GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4)),
+    # I <= 16384 (Llama-3-8B, Gemma-2-9B): 16x(2*64)x256 with 3 stages, 0.8-2.4% faster than
+    # 16x(2*32)x256 on the H100 and 2-6% on the H200; 1-5% slower for wider I (Qwen2.5-7B,
+    # Gemma-2-27B, Llama-3-70B), which keep `_DEFAULTS[16]`.
+    DecodeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3)),
+)
 
 
 @lru_cache(maxsize=8)
@@ -203,17 +218,24 @@ def _gpu_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
+def _decode_rule(name: str, k: int | None, i: int | None) -> GatedGemmConfig | None:
+    for rule in _DECODE_RULES:
+        if (any(g in name for g in rule.gpus) and (rule.k_max is None or (k is not None and k <= rule.k_max))
+                and (rule.i_max is None or (i is not None and i <= rule.i_max))):
+            return rule.config
+    return None
+
+
 @lru_cache(maxsize=256)
 def default_config(
-    m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None
+    m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None, k: int | None = None
 ) -> GatedGemmConfig:
     """The shipped pointer-kernel config for M tokens (the hot path passes `m_bucket(M)`: one
-    cache entry per bucket), for I output columns on CUDA device `device_index` (None: the
-    H100 table, whatever the device)."""
+    cache entry per bucket), I output columns and K input features on CUDA device
+    `device_index` (None: the bucket table `_DEFAULTS`, whatever the device)."""
     cfg = _for_bucket(_DEFAULTS, m)
-    if device_index is not None and m <= 16 and i is not None and i <= _DECODE_WIDE_I_MAX:
-        name = _gpu_name(device_index)
-        cfg = next((c for gpu, c in _DECODE_BY_GPU.items() if gpu in name), cfg)
+    if device_index is not None and m <= 16:
+        cfg = _decode_rule(_gpu_name(device_index), k, i) or cfg
     if dtype == torch.float32:
         cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k // 2))
     return cfg
@@ -304,7 +326,7 @@ def gated_gemm(
         activation: "silu", "gelu_tanh" or "gelu".
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
-        config: launch config; if None, `default_config` for M's bucket, I and x's GPU.
+        config: launch config; if None, `default_config` for M's bucket, I, K and x's GPU.
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
             or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
 
@@ -321,7 +343,7 @@ def gated_gemm(
     code = ACTIVATION_CODES[activation]
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
-    cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None)
+    cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](
         x, packed, bias if bias is not None else packed, out,

@@ -21,6 +21,11 @@ rounding), organised for large M:
   program, so it also runs in Triton's CPU interpreter. The counts live in an int32 buffer
   per (device, stream), zero between calls: concurrent calls on one stream are ordered, but
   two streams never share one.
+- split tail (`config.split_tail`): where the last wave's T whole tiles would leave at least
+  half the programs idle, each of them runs as S = 2 or 4 tiles of BLOCK_SIZE_N / S output
+  columns instead (the largest S with S * T <= programs): one wave of narrower tiles, about
+  1/S of a whole tile's time each, no workspace, no cross-program sums. Their weight box is
+  [2 * BLOCK_SIZE_N / S, BLOCK_SIZE_K]: still whole 16-row gate/up blocks.
 
 TMA zero-fills out-of-bounds reads and clips out-of-bounds writes, so any M and K work; it
 needs I % 16 == 0 (whole blocks; every real model), unit inner strides and 16-byte-aligned
@@ -29,6 +34,8 @@ row strides and base pointers. `tma_supported` says whether a call qualifies; ot
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -72,7 +79,7 @@ def _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
 
 @triton.jit
 def _gated_gemm_tma_tiles(
-    x_desc, w_desc, out_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
+    x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
@@ -84,6 +91,7 @@ def _gated_gemm_tma_tiles(
     WARP_SPECIALIZE: tl.constexpr,
     FLATTEN: tl.constexpr,
     STREAM_K: tl.constexpr,
+    TAIL_SPLIT: tl.constexpr,
 ):
     """The persistent tile loop, shared by the host- and device-descriptor kernels.
 
@@ -94,7 +102,9 @@ def _gated_gemm_tma_tiles(
     2p for the piece at the start of p's run, 2p+1 for the one at its end); the piece whose
     arrival completes the tile's count (cnt, one int32 per stream-K tile, zero on entry and
     reset on exit) sums the pieces in program order, so the sum is the same whichever
-    finished last, and runs the epilogue.
+    finished last, and runs the epilogue. With TAIL_SPLIT = S > 1 instead, each tile after
+    them runs as S tiles of BLOCK_SIZE_N / S output columns, read and written through
+    w_tail_desc ([2 * BLOCK_SIZE_N / S, BLOCK_SIZE_K] boxes) and out_tail_desc.
     """
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -152,19 +162,32 @@ def _gated_gemm_tma_tiles(
                     tl.atomic_xchg(cnt_ptr + sk_tile, 0)  # ready for the next call on this stream
             it += k_end - k_begin
 
+    # -- split tail: the tiles after the data-parallel ones, each as TAIL_SPLIT narrower tiles --
+    if TAIL_SPLIT > 1:
+        for sub_id in tl.range(start_pid, (num_tiles - dp_tiles) * TAIL_SPLIT, NUM_PROGRAMS):
+            pid_m, pid_n = _tile_pid(dp_tiles + sub_id // TAIL_SPLIT, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
+            sub_n = pid_n * TAIL_SPLIT + sub_id % TAIL_SPLIT  # in units of BLOCK_SIZE_N // TAIL_SPLIT columns
+            offs_m = pid_m * BLOCK_SIZE_M
+            offs_w = sub_n * 2 * (BLOCK_SIZE_N // TAIL_SPLIT)
+            acc = _k_range_acc(x_desc, w_tail_desc, offs_m, offs_w, 0, k_tiles, BLOCK_SIZE_M,
+                               BLOCK_SIZE_N // TAIL_SPLIT, BLOCK_SIZE_K)
+            _gated_epilogue(acc, out_tail_desc, b_ptr, offs_m, offs_w, sub_n, I,
+                            HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N // TAIL_SPLIT)
+
 
 @triton.jit
 def _gated_gemm_tma_kernel(
-    x_desc, w_desc, out_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
+    x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
-    STREAM_K: tl.constexpr,
+    STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
 ):
     """Host-built TMA descriptors."""
     _gated_gemm_tma_tiles(
-        x_desc, w_desc, out_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles, HAS_BIAS, ACTIVATION, GATE_UP_BLOCK,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN, STREAM_K,
+        x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
+        HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
+        WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
 
@@ -174,15 +197,24 @@ def _gated_gemm_tma_devdesc_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
-    STREAM_K: tl.constexpr,
+    STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
 ):
     """TMA descriptors built on the device: the host passes plain pointers (less launch overhead)."""
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1], [2 * BLOCK_SIZE_N, BLOCK_SIZE_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
+    if TAIL_SPLIT > 1:
+        w_tail_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1],
+                                                [2 * BLOCK_SIZE_N // TAIL_SPLIT, BLOCK_SIZE_K])
+        out_tail_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1],
+                                                  [BLOCK_SIZE_M, BLOCK_SIZE_N // TAIL_SPLIT])
+    else:
+        w_tail_desc = w_desc
+        out_tail_desc = out_desc
     _gated_gemm_tma_tiles(
-        x_desc, w_desc, out_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles, HAS_BIAS, ACTIVATION, GATE_UP_BLOCK,
-        BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN, STREAM_K,
+        x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
+        HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
+        WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
 
@@ -217,20 +249,43 @@ def tma_supported(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | Non
 # with 30-60% idle it measured slower (writing and summing the fp32 pieces costs more than the
 # balance wins).
 STREAM_K_MIN_IDLE = 0.8
+# A split tail's tiles keep at least this many output columns (a 2 * 32-row weight box).
+SPLIT_TAIL_MIN_N = 32
 
-def stream_k_split(m: int, i: int, config: GatedGemmConfig, programs: int,
-                   min_idle: float = STREAM_K_MIN_IDLE) -> int:
-    """How many tiles run data-parallel; the rest (if any) are stream-K.
 
-    Whole waves of `programs` tiles run data-parallel; with `config.stream_k`, the tiles of
-    the last partial wave are split over all programs by K iteration, if that wave would
-    leave more than `min_idle` of the programs idle.
+@dataclass(frozen=True)
+class TailPlan:
+    """How one call runs its tiles: `dp_tiles` whole tiles data-parallel, then the rest (if
+    any) stream-K (`stream_k`) or each as `split` narrower tiles (`split` > 1)."""
+
+    dp_tiles: int
+    stream_k: bool = False
+    split: int = 1
+
+
+def plan_tail(m: int, i: int, config: GatedGemmConfig, programs: int,
+              min_idle: float = STREAM_K_MIN_IDLE) -> TailPlan:
+    """What to do with the last partial wave of whole tiles.
+
+    Whole waves of `programs` tiles always run data-parallel. The T tiles of a last partial
+    wave run
+    - stream-K, with `config.stream_k`, if they would leave more than `min_idle` of the
+      programs idle;
+    - else, with `config.split_tail`, as S narrower tiles each for the largest S in (4, 2)
+      with S * T <= programs and block_n / S >= SPLIT_TAIL_MIN_N;
+    - else whole, data-parallel like the rest.
     """
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n)
     tail = tiles % programs
-    if not config.stream_k or tail == 0 or (programs - tail) / programs <= min_idle:
-        return tiles
-    return tiles - tail
+    if tail == 0:
+        return TailPlan(tiles)
+    if config.stream_k and (programs - tail) / programs > min_idle:
+        return TailPlan(tiles - tail, stream_k=True)
+    if config.split_tail:
+        for s in (4, 2):
+            if s * tail <= programs and config.block_n // s >= SPLIT_TAIL_MIN_N:
+                return TailPlan(tiles - tail, split=s)
+    return TailPlan(tiles)
 
 
 def gated_gemm_tma(
@@ -258,9 +313,8 @@ def gated_gemm_tma(
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     # one program per SM, whatever the tile count: a constant NUM_PROGRAMS compiles once
     programs = _num_sms(x.device.index or 0) if x.is_cuda else 4
-    dp_tiles = stream_k_split(m, i, config, programs, stream_k_min_idle)
-    stream_k = dp_tiles < triton.cdiv(m, bm) * triton.cdiv(i, bn)
-    if stream_k:  # fp32 pieces of split tiles: two slots per program; counts per stream-K tile
+    plan = plan_tail(m, i, config, programs, stream_k_min_idle)
+    if plan.stream_k:  # fp32 pieces of split tiles: two slots per program; counts per stream-K tile
         ws = torch.empty((2 * programs, bm, 2 * bn), dtype=torch.float32, device=x.device)
         cnt = stream_k_counts(x.device, programs)
     else:
@@ -268,18 +322,26 @@ def gated_gemm_tma(
     meta = dict(
         HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config.group_m,
-        NUM_PROGRAMS=programs, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=flatten, STREAM_K=stream_k,
+        NUM_PROGRAMS=programs, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=flatten, STREAM_K=plan.stream_k,
+        TAIL_SPLIT=plan.split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     b = bias if bias is not None else packed
     if device_descriptors:
         _ensure_allocator()
         _gated_gemm_tma_devdesc_kernel[(programs,)](
-            x, packed, out, b, ws, cnt, m, i, k, dp_tiles, x.stride(0), packed.stride(0), out.stride(0), **meta
+            x, packed, out, b, ws, cnt, m, i, k, plan.dp_tiles, x.stride(0), packed.stride(0), out.stride(0), **meta
         )
     else:
         x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
         w_desc = TensorDescriptor.from_tensor(packed, [2 * bn, bk])
         out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
-        _gated_gemm_tma_kernel[(programs,)](x_desc, w_desc, out_desc, b, ws, cnt, m, i, k, dp_tiles, **meta)
+        if plan.split > 1:
+            w_tail_desc = TensorDescriptor.from_tensor(packed, [2 * bn // plan.split, bk])
+            out_tail_desc = TensorDescriptor.from_tensor(out, [bm, bn // plan.split])
+        else:
+            w_tail_desc, out_tail_desc = w_desc, out_desc
+        _gated_gemm_tma_kernel[(programs,)](
+            x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b, ws, cnt, m, i, k, plan.dp_tiles, **meta
+        )
     return out

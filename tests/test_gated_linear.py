@@ -92,25 +92,29 @@ def test_every_shipped_decode_config_matches_float64(m):
 
     dtype = torch.bfloat16 if CUDA else torch.float16
     x, gate, up, bg, bu = make_case(m, 1000, 600, dtype, bias=True)
-    for config in [gg.default_config(16, dtype), *gg._DECODE_BY_GPU.values()]:
+    for config in [gg.default_config(16, dtype), *(rule.config for rule in gg._DECODE_RULES)]:
         out = torch.full((m, 600), float("nan"), dtype=dtype, device=DEVICE)
         gated_gemm(x, pack_gate_up(gate, up), "silu", pack_gate_up(bg, bu), out=out, config=config)
         check(out, x, gate, up, bg, bu, "silu")
 
 
-def test_decode_config_per_gpu_and_width(monkeypatch):
+def test_decode_config_per_gpu_and_shape(monkeypatch):
     from swiglu_patch.kernels import gated_gemm as gg
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
-    h100 = gg._for_bucket(gg._DEFAULTS, 1)
-    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
-    assert pick(1, torch.bfloat16, 14336, 0) == pick(16, torch.bfloat16, 8192, 0) == gg._DECODE_BY_GPU["H200"]
-    assert pick(1, torch.bfloat16, 18944, 0) == h100  # wider I than the H200 rule covers
-    assert pick(32, torch.bfloat16, 14336, 0) == gg._for_bucket(gg._DEFAULTS, 32)  # not decode
-    assert pick(1, torch.bfloat16, 14336, None) == h100  # no CUDA device: the H100 table
-    assert pick(1, torch.float32, 14336, 0).block_k == gg._DECODE_BY_GPU["H200"].block_k // 2
-    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
-    assert pick(1, torch.bfloat16, 14336, 0) == h100
+    table = gg._for_bucket(gg._DEFAULTS, 1)
+    short_k, narrow_i = (rule.config for rule in gg._DECODE_RULES)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
+        assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
+        assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(16, torch.bfloat16, 14336, 0, 3584) == narrow_i
+        assert pick(1, torch.bfloat16, 18944, 0, 3584) == table  # Qwen2.5-7B: wider I than the rule covers
+        assert pick(1, torch.bfloat16, 28672, 0, 8192) == table  # Llama-3-70B
+        assert pick(32, torch.bfloat16, 14336, 0, 4096) == gg._for_bucket(gg._DEFAULTS, 32)  # not decode
+        assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
+        assert pick(1, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
+    assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -271,7 +275,8 @@ def test_tma_stream_k_matches_float64_and_is_deterministic(m, k, i, bias):
     packed, packed_b = pack_gate_up(gate, up), (pack_gate_up(bg, bu) if bias else None)
     programs = tma._num_sms(0) if CUDA else 4
     tiles = triton.cdiv(m, SK_CONFIG.block_m) * triton.cdiv(i, SK_CONFIG.block_n)
-    assert tma.stream_k_split(m, i, SK_CONFIG, programs, min_idle=0.0) < tiles  # the case has stream-K tiles
+    plan = tma.plan_tail(m, i, SK_CONFIG, programs, min_idle=0.0)
+    assert plan.stream_k and plan.dp_tiles < tiles  # the case has stream-K tiles
     outs = []
     for _ in range(2):
         out = torch.full((m, i), float("nan"), dtype=torch.float16, device=DEVICE)
@@ -282,18 +287,62 @@ def test_tma_stream_k_matches_float64_and_is_deterministic(m, k, i, bias):
     assert all_counts_zero()  # every count reset for the next call
 
 
-def test_stream_k_only_where_the_last_wave_is_mostly_idle():
-    from swiglu_patch.kernels.gated_gemm_tma import STREAM_K_MIN_IDLE, stream_k_split
+def test_tail_plan_on_an_h100():
+    from swiglu_patch.kernels.gated_gemm_tma import STREAM_K_MIN_IDLE, TailPlan, plan_tail
 
     cfg = GatedGemmConfig(128, 128, 64, stream_k=True)
+    both = GatedGemmConfig(128, 128, 64, stream_k=True, split_tail=True)
     # Llama-3-8B (I = 14336): 112 column tiles; on 132 SMs
     assert STREAM_K_MIN_IDLE == 0.8
-    assert stream_k_split(128, 14336, cfg, 132) == 112  # one wave, 15% idle: all data-parallel
-    assert stream_k_split(384, 14336, cfg, 132) == 336  # last wave 72 of 132 (45% idle): data-parallel
-    assert stream_k_split(1280, 14336, cfg, 132) == 1120  # last wave 64 of 132 (52% idle): data-parallel
-    assert stream_k_split(1280, 14336, cfg, 132, min_idle=0.4) == 1056  # a lower bar: its 64 go stream-K
-    assert stream_k_split(2432, 14336, cfg, 132) == 2112  # 2128 tiles, tail of 16: 88% idle, stream-K
-    assert stream_k_split(2432, 14336, GatedGemmConfig(128, 128, 64), 132) == 2128  # stream_k off
+    assert plan_tail(128, 14336, cfg, 132) == TailPlan(112)  # one wave, 15% idle: all data-parallel
+    assert plan_tail(384, 14336, both, 132) == TailPlan(336)  # last wave 72 of 132 (45% idle): whole tiles
+    assert plan_tail(1280, 14336, cfg, 132) == TailPlan(1120)  # last wave 64 of 132 (52% idle): data-parallel
+    assert plan_tail(1280, 14336, cfg, 132, min_idle=0.4) == TailPlan(1056, stream_k=True)  # a lower bar
+    assert plan_tail(2432, 14336, cfg, 132) == TailPlan(2112, stream_k=True)  # tail of 16: 88% idle
+    assert plan_tail(2432, 14336, GatedGemmConfig(128, 128, 64), 132) == TailPlan(2128)  # neither on
+    # split tail: M = 512 has 448 tiles, a last wave of 52 (61% idle) -> 104 half-width tiles
+    assert plan_tail(512, 14336, both, 132) == TailPlan(396, split=2)
+    assert plan_tail(512, 18944, both, 132) == TailPlan(528, split=2)  # Qwen2.5-7B: 64 -> 128
+    assert plan_tail(1280, 14336, both, 132) == TailPlan(1056, split=2)
+    # 88% idle: stream-K first if on, else quarter-width tiles
+    assert plan_tail(2432, 14336, both, 132) == TailPlan(2112, stream_k=True)
+    quarter = GatedGemmConfig(128, 128, 64, split_tail=True)
+    assert plan_tail(2432, 14336, quarter, 132) == TailPlan(2112, split=4)
+    # 128x(2*64) tiles: 4256, a tail of 32; 64 / 4 columns is below SPLIT_TAIL_MIN_N, so halves
+    assert plan_tail(2432, 14336, GatedGemmConfig(128, 64, 64, split_tail=True), 132) == TailPlan(4224, split=2)
+    assert plan_tail(2432, 14336, GatedGemmConfig(128, 32, 64, split_tail=True), 132) == TailPlan(8512)  # too narrow
+
+
+# Split tail: (m, k, i, config) whose last wave leaves half the programs or more idle, on the
+# interpreter's 4 programs or the GPU's SMs; tails of 2 and 4 narrower tiles each, a partial
+# column tile (I not a multiple of block_n) and a partial row tile in the tail.
+SPLIT_CASES = [
+    (37, 72, 96, GatedGemmConfig(16, 64, 16, group_m=2, split_tail=True)),  # 6 tiles: a tail of 2 -> 4
+    (70, 40, 96, GatedGemmConfig(16, 128, 32, group_m=2, split_tail=True)),  # 4 + 1 tiles: 1 -> 4, past I
+    (40, 64, 176, GatedGemmConfig(16, 64, 16, group_m=1, split_tail=True)),  # 8 + 1: partial rows and columns
+] if not CUDA else [
+    (300, 512, 1120, GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=3, split_tail=True)),  # all 45 split
+    (512, 1024, 14336, GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4, warp_specialize=True,
+                                      stream_k=True, split_tail=True)),
+    (2432, 256, 14336, GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4, split_tail=True)),
+    (129, 512, 14336 + 48, GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=4, split_tail=True)),
+]
+
+
+@pytest.mark.parametrize("m,k,i,cfg", SPLIT_CASES)
+@pytest.mark.parametrize("device_descriptors", [True, False])
+@pytest.mark.parametrize("dtype", TMA_DTYPES)
+def test_tma_split_tail_matches_float64(m, k, i, cfg, device_descriptors, dtype):
+    from swiglu_patch.kernels import gated_gemm_tma as tma
+    from swiglu_patch.kernels.activations import ACTIVATION_CODES
+
+    programs = tma._num_sms(0) if CUDA else 4
+    assert tma.plan_tail(m, i, cfg, programs).split > 1  # the case has a split tail
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias=True)
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
+    tma.gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["silu"], pack_gate_up(bg, bu), out, cfg,
+                       device_descriptors=device_descriptors)
+    check(out, x, gate, up, bg, bu, "silu")
 
 
 def test_registered_op_matches_and_passes_opcheck():
