@@ -250,12 +250,15 @@ def _tma_default(m: int) -> GatedGemmConfig:
 # rows) and the M from which it runs; H100 bf16 sweeps of `benchmarks.tune_kernel`
 # (benchmarks/results/tune_h100_bf16_graph.json, tune_streamk_h100_bf16.json): up to M = 64 the
 # pointer kernel beats every TMA tile, from 65 to 128 a 64x(2*64) tile, beyond that 128x(2*128).
-# stream_k only acts where the last wave would leave > 80% of the SMs idle (gated_gemm_tma).
+# Last wave (benchmarks/results/tune_graph/tune_tail_h100_bf16.json): a split tail beat stream-K
+# and whole tiles on the 128x(2*128) buckets (geometric mean over the six shapes at M = 512:
+# 1.041x of cuBLAS split, 1.088x stream-K, 1.094x whole) and lost on 64x(2*64) tiles (M <= 128,
+# weight-bandwidth bound: 1.039x split, 1.030x whole), so only the former split.
 _TMA_DEFAULTS: dict[int, GatedGemmConfig] = {
     128: GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
-    1024: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True, stream_k=True),
-    4096: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, stream_k=True),
-    8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True, stream_k=True),
+    1024: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True, split_tail=True),
+    4096: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, split_tail=True),
+    8192: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True, split_tail=True),
 }
 TMA_MIN_M = 65
 
