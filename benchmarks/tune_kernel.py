@@ -9,6 +9,7 @@ copied from that output.
 
     python -m benchmarks.tune_kernel --out $OUT/tune [--shapes llama-3-8b ...] [--tokens 1 16 ...]
     python -m benchmarks.tune_kernel --variants tail --tokens 384 512 1024 ...   # last-wave handling
+    python -m benchmarks.tune_kernel --variants mid --tokens 32 48 64            # TMA at 17 <= M <= 64
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from benchmarks.timing import GraphTimer
 from benchmarks.shapes import SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
-from swiglu_patch.kernels.gated_gemm import CANDIDATE_CONFIGS, GatedGemmConfig, _tma_default, gated_gemm, m_bucket
+from swiglu_patch.kernels.gated_gemm import (
+    _DEFAULTS, CANDIDATE_CONFIGS, GatedGemmConfig, _for_bucket, _tma_default, gated_gemm, m_bucket,
+)
 
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
 
@@ -71,6 +74,31 @@ def variants(m: int) -> list[tuple[str, dict]]:
     return out
 
 
+# 17 <= M <= 64 (the pointer kernel's range), wide weight boxes as Liger's inference kernel uses
+# (BLOCK_M 32/64, 128 gate and 128 up rows per box)
+TMA_MID_CONFIGS = [
+    GatedGemmConfig(32, 128, 128, group_m=1, num_warps=4, num_stages=3),
+    GatedGemmConfig(32, 128, 64, group_m=1, num_warps=4, num_stages=4),
+    GatedGemmConfig(64, 128, 128, group_m=1, num_warps=4, num_stages=3),
+    GatedGemmConfig(64, 128, 64, group_m=1, num_warps=8, num_stages=4),
+    GatedGemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=4),
+]
+
+
+def mid_variants(m: int) -> list[tuple[str, dict]]:
+    """The shipped pointer config for m's bucket against TMA tiles with and without a split tail."""
+    out = [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))]
+    for c in TMA_MID_CONFIGS + TMA_DECODE_CONFIGS:
+        for split in (False, True):
+            cfg = dataclasses.replace(c, split_tail=split)
+            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
+    return out
+
+
+def _shipped_ptr(m: int) -> GatedGemmConfig:
+    return _for_bucket(_DEFAULTS, m)
+
+
 def tail_variants(m: int) -> list[tuple[str, dict]]:
     """The shipped TMA tile for m's bucket and a 128x(2*64) one, each with the last partial wave
     run whole, stream-K, split into narrower tiles, or either (stream-K where > 80% idle)."""
@@ -96,8 +124,9 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail"], default="all",
-                    help="all: every candidate tile; tail: last-wave handling of the shipped tiles")
+    ap.add_argument("--variants", choices=["all", "tail", "mid"], default="all",
+                    help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
+                         "mid: TMA tiles against the pointer kernel at 17 <= M <= 64")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds")
@@ -120,7 +149,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
-            for label, kw in (tail_variants(m) if args.variants == "tail" else variants(m)):
+            pick = dict(all=variants, tail=tail_variants, mid=mid_variants)[args.variants]
+            for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
                 out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")
