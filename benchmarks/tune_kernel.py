@@ -10,6 +10,7 @@ copied from that output.
     python -m benchmarks.tune_kernel --out $OUT/tune [--shapes llama-3-8b ...] [--tokens 1 16 ...]
     python -m benchmarks.tune_kernel --variants tail --tokens 384 512 1024 ...   # last-wave handling
     python -m benchmarks.tune_kernel --variants mid --tokens 32 48 64            # TMA at 17 <= M <= 64
+    python -m benchmarks.tune_kernel --variants decode --tokens 1 4 16           # TMA at M <= 16
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from benchmarks.shapes import SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
 from swiglu_patch.kernels.gated_gemm import (
-    _DEFAULTS, CANDIDATE_CONFIGS, GatedGemmConfig, _for_bucket, _tma_default, gated_gemm, m_bucket,
+    _DEFAULTS, CANDIDATE_CONFIGS, GatedGemmConfig, _for_bucket, _tma_default, default_config, gated_gemm, m_bucket,
 )
 
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
@@ -99,6 +100,33 @@ def _shipped_ptr(m: int) -> GatedGemmConfig:
     return _for_bucket(_DEFAULTS, m)
 
 
+# M <= 16 through the persistent TMA kernel: x zero-filled to BLOCK_M rows, the weight streamed
+# in [2*BLOCK_SIZE_N, BLOCK_SIZE_K] boxes, the next tile's loads issued while a tile finishes
+TMA_DECODE_SMALL_M_CONFIGS = [
+    GatedGemmConfig(16, 32, 256, group_m=1, num_warps=4, num_stages=4),
+    GatedGemmConfig(16, 64, 256, group_m=1, num_warps=4, num_stages=3),
+    GatedGemmConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=5),
+    GatedGemmConfig(16, 128, 128, group_m=1, num_warps=4, num_stages=3),
+    GatedGemmConfig(16, 32, 128, group_m=1, num_warps=4, num_stages=8),
+    GatedGemmConfig(64, 32, 128, group_m=1, num_warps=4, num_stages=6),
+    GatedGemmConfig(64, 64, 128, group_m=1, num_warps=4, num_stages=4),
+]
+
+
+def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
+    kernel's decode candidates, and the persistent TMA kernel's small-M tiles."""
+    dev = torch.cuda.current_device()
+    shipped = default_config(m_bucket(m), dtype, i, dev, k)
+    ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32])
+    out = [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr]
+    for c in TMA_DECODE_SMALL_M_CONFIGS:
+        for split in (False, True):
+            cfg = dataclasses.replace(c, split_tail=split)
+            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
+    return out
+
+
 def tail_variants(m: int) -> list[tuple[str, dict]]:
     """The shipped TMA tile for m's bucket and a 128x(2*64) one, each with the last partial wave
     run whole, stream-K, split into narrower tiles, or either (stream-K where > 80% idle)."""
@@ -124,9 +152,10 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid"], default="all",
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "decode"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
-                         "mid: TMA tiles against the pointer kernel at 17 <= M <= 64")
+                         "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
+                         "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds")
@@ -149,7 +178,8 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
-            pick = dict(all=variants, tail=tail_variants, mid=mid_variants)[args.variants]
+            pick = dict(all=variants, tail=tail_variants, mid=mid_variants,
+                        decode=lambda m: decode_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
