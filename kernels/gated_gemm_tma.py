@@ -13,8 +13,9 @@ rounding), organised for large M:
   Gate column j and up column j sit 16 columns apart, inside one thread's accumulator
   registers, so the split moves no data.
 - persistent programs (one per SM) walk the tiles in grouped order for L2 reuse.
-- stream-K (`config.stream_k`): where the last wave of whole tiles would leave most SMs idle,
-  its tiles' K iterations are split evenly over all programs instead. A tile split between
+- stream-K (`config.stream_k`; no shipped config sets it: the split tail below measured faster
+  wherever both apply): where the last wave of whole tiles would leave most SMs idle, its
+  tiles' K iterations are split evenly over all programs instead. A tile split between
   programs has each piece's fp32 accumulator stored to a workspace; the piece that completes
   the tile's arrival count sums all pieces in program order (the same sum whichever arrives
   last, so results are deterministic) and runs the epilogue. Nothing waits on another
