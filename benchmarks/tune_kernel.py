@@ -113,12 +113,23 @@ TMA_DECODE_SMALL_M_CONFIGS = [
 ]
 
 
+# Pointer-kernel decode tiles with a long K block: each weight row segment a program reads per
+# step is BLOCK_SIZE_K * 2 bytes, 0.5 KB at the shipped 256; these read 1-2 KB per row segment.
+DECODE_LONG_K_CONFIGS = [
+    GatedGemmConfig(16, 16, 512, num_warps=4, num_stages=3),
+    GatedGemmConfig(16, 32, 512, num_warps=4, num_stages=2),
+    GatedGemmConfig(16, 32, 512, num_warps=8, num_stages=2),
+    GatedGemmConfig(16, 16, 1024, num_warps=4, num_stages=2),
+]
+
+
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
-    kernel's decode candidates, and the persistent TMA kernel's small-M tiles."""
+    kernel's decode candidates and long-K tiles, and the persistent TMA kernel's small-M tiles."""
     dev = torch.cuda.current_device()
     shipped = default_config(m_bucket(m), dtype, i, dev, k)
-    ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32])
+    ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32]
+                        + DECODE_LONG_K_CONFIGS)
     out = [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr]
     for c in TMA_DECODE_SMALL_M_CONFIGS:
         for split in (False, True):
