@@ -43,6 +43,17 @@ SHAPES: tuple[MLPShape, ...] = (
     MLPShape("llama-3-70b", "Llama-3-70B", 8192, 28672, "silu"),
 )
 
+# One GPU's shard of the gate/up weight under tensor parallelism over tp GPUs (the packed rows
+# split by column blocks: I / tp per GPU, K whole). Not part of the benchmark table; `tune_kernel
+# --tp-shards` sweeps them, because a decode call on a shard has fewer tiles than the GPU has SMs.
+TP_SHARD_SHAPES: tuple[MLPShape, ...] = (
+    MLPShape("llama-3-8b-tp4", "Llama-3-8B, 1 of 4 GPUs", 4096, 14336 // 4, "silu"),
+    MLPShape("qwen2.5-7b-tp4", "Qwen2.5-7B, 1 of 4 GPUs", 3584, 18944 // 4, "silu"),
+    MLPShape("gemma-2-27b-tp8", "Gemma-2-27B, 1 of 8 GPUs", 4608, 36864 // 8, "gelu_tanh"),
+    MLPShape("llama-3-70b-tp4", "Llama-3-70B, 1 of 4 GPUs", 8192, 28672 // 4, "silu"),
+    MLPShape("llama-3-70b-tp8", "Llama-3-70B, 1 of 8 GPUs", 8192, 28672 // 8, "silu"),
+)
+
 # Tokens per call: batch x sequence flattened. 1..16 is decode, >= 512 is prefill.
 TOKENS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from benchmarks.timing import GraphTimer
-from benchmarks.shapes import SHAPES, select_shapes
+from benchmarks.shapes import SHAPES, TP_SHARD_SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
 from swiglu_patch.kernels.gated_gemm import (
@@ -185,6 +185,8 @@ def rel_err_rows(out, x, gate, up, act, rows):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None)
+    ap.add_argument("--tp-shards", action="store_true",
+                    help="sweep the tensor-parallel shard shapes (benchmarks.shapes.TP_SHARD_SHAPES) instead")
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
@@ -201,7 +203,7 @@ def main() -> None:
     timer = GraphTimer(warmup_ms=5, rep_ms=args.rep_ms, rounds=3)
     t_start = time.perf_counter()
     rows_out = []
-    for shape in select_shapes(args.shapes, SHAPES):
+    for shape in select_shapes(args.shapes, TP_SHARD_SHAPES if args.tp_shards else SHAPES):
         if args.budget_s and time.perf_counter() - t_start > args.budget_s:
             print(f"out of --budget-s: {shape.name} not measured", flush=True)
             continue

@@ -41,6 +41,16 @@ def test_shape_table_holds_the_issue_models():
     assert len({s.name for s in SHAPES}) == len(SHAPES)
 
 
+def test_tp_shards_are_whole_packing_blocks_of_table_models():
+    from benchmarks.shapes import TP_SHARD_SHAPES
+
+    full = {(s.hidden, s.activation): s.intermediate for s in SHAPES}
+    for s in TP_SHARD_SHAPES:
+        tp = int(s.name.rsplit("-tp", 1)[1])
+        assert full[(s.hidden, s.activation)] == s.intermediate * tp  # I / tp of a table model
+        assert s.intermediate % 16 == 0  # a column shard never splits a gate/up block
+
+
 def test_shape_activations_are_the_kernels():
     from swiglu_patch.kernels.activations import ACTIVATIONS
 
