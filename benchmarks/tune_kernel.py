@@ -123,16 +123,6 @@ DECODE_LONG_K_CONFIGS = [
 ]
 
 
-# Split-K decode tiles: each tile's K blocks over 2 or 4 programs, so the grid has 2-4x as many
-# programs, each reading 1/2-1/4 of the bytes; the last to arrive sums the fp32 partials.
-DECODE_SPLIT_K_CONFIGS = [
-    dataclasses.replace(c, split_k=s)
-    for c in (GatedGemmConfig(16, 32, 256, num_warps=4, num_stages=4), GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3),
-              GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4), GatedGemmConfig(16, 64, 128, num_warps=4, num_stages=4))
-    for s in (2, 4)
-]
-
-
 # Decode tiles that hide latency by occupancy instead of a deep software pipeline: 1-2 stages,
 # small shared-memory footprints, so several programs share an SM (a pure read of the weight,
 # `read_floor.py`, reaches 0.97-0.99 of the floor on the 7-9B shapes that way).
@@ -149,12 +139,12 @@ DECODE_OCCUPANCY_CONFIGS = [
 
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
-    kernel's decode candidates, long-K, split-K and low-stage tiles, and the persistent TMA
-    kernel's small-M tiles."""
+    kernel's decode candidates, long-K and low-stage tiles, and the persistent TMA kernel's
+    small-M tiles. (Split-K tiles, swept at 9e1a3ea, were removed with the kernel's split-K.)"""
     dev = torch.cuda.current_device()
     shipped = default_config(m_bucket(m), dtype, i, dev, k)
     ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32]
-                        + DECODE_LONG_K_CONFIGS + DECODE_SPLIT_K_CONFIGS + DECODE_OCCUPANCY_CONFIGS)
+                        + DECODE_LONG_K_CONFIGS + DECODE_OCCUPANCY_CONFIGS)
     out = [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr]
     for c in TMA_DECODE_SMALL_M_CONFIGS:
         for split in (False, True):

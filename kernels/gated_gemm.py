@@ -32,7 +32,6 @@ import triton.language as tl
 
 from .activations import ACTIVATION_CODES, check_activation
 from .layout import GATE_UP_BLOCK
-from .stream_k import stream_k_counts
 
 
 @triton.jit
@@ -66,20 +65,8 @@ def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def _pointer_epilogue(acc_gate, acc_up, b_ptr, out_ptr, gate_rows, up_rows, offs_m, offs_i, mask_m, mask_i,
-                      stride_om, stride_oi, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
-    """Bias, act(gate) * up in fp32, one rounding, one masked store of the [BM, BN] tile."""
-    if HAS_BIAS:
-        acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-        acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-    h = _apply_activation(acc_gate, ACTIVATION) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
-
-
-@triton.jit
 def _gated_gemm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr,
     M, I, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
@@ -92,17 +79,10 @@ def _gated_gemm_fwd_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
-    """Grid (tiles, SPLIT_K). With SPLIT_K > 1, program (t, s) runs the s-th of SPLIT_K equal
-    runs of tile t's K blocks and stores its two fp32 accumulators to ws [tiles, SPLIT_K, 2, BM,
-    BN]; the program whose arrival completes the tile's count (cnt, one int32 per tile, zero on
-    entry, reset on exit) sums the partials in split order (the same sum whoever arrives last)
-    and runs the epilogue. Nothing waits on another program."""
     # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
-    tile = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
-    pid_m, pid_n = _tile_pid(tile, GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), num_pid_m, GROUP_SIZE_M)
+    pid_m, pid_n = _tile_pid(tl.program_id(0), GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), num_pid_m, GROUP_SIZE_M)
 
     # -- which packed rows hold this tile's gate and up rows --
     offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
@@ -113,26 +93,16 @@ def _gated_gemm_fwd_kernel(
     up_rows = gate_rows + width
     mask_m = offs_m < M
     mask_i = offs_i < I
-
-    # -- this program's K blocks: all of them, or its split's run --
-    k_blocks = tl.cdiv(K, BLOCK_SIZE_K)
-    k_begin = 0
-    k_end = k_blocks
-    if SPLIT_K > 1:
-        per_split = tl.cdiv(k_blocks, SPLIT_K)
-        k_begin = tl.program_id(1) * per_split
-        k_end = tl.minimum(k_blocks, k_begin + per_split)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
-    offs_k0 = (k_begin * BLOCK_SIZE_K + offs_k).to(tl.int64)
 
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k0[None, :] * stride_xk  # [BLOCK_SIZE_M, BLOCK_SIZE_K]
-    wg_ptrs = w_ptr + gate_rows[None, :] * stride_wn + offs_k0[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
-    wu_ptrs = w_ptr + up_rows[None, :] * stride_wn + offs_k0[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_SIZE_M, BLOCK_SIZE_K]
+    wg_ptrs = w_ptr + gate_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
+    wu_ptrs = w_ptr + up_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
 
     # -- main loop: two fp32 accumulators over K --
     acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    for k in range(k_begin, k_end):
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         k_left = K - k * BLOCK_SIZE_K
         x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
         wg = tl.load(wg_ptrs, mask=mask_i[None, :] & (offs_k[:, None] < k_left), other=0.0)
@@ -143,26 +113,13 @@ def _gated_gemm_fwd_kernel(
         wg_ptrs += BLOCK_SIZE_K * stride_wk
         wu_ptrs += BLOCK_SIZE_K * stride_wk
 
-    # -- epilogue, after the split's partials are summed if K is split --
-    if SPLIT_K > 1:
-        offs_t = tl.arange(0, BLOCK_SIZE_M)[:, None] * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)[None, :]
-        mine = ws_ptr + (tile * SPLIT_K + tl.program_id(1)).to(tl.int64) * (2 * BLOCK_SIZE_M * BLOCK_SIZE_N) + offs_t
-        tl.store(mine, acc_gate)
-        tl.store(mine + BLOCK_SIZE_M * BLOCK_SIZE_N, acc_up)
-        tl.debug_barrier()  # every thread's partial is stored before the count says so
-        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # split order, whoever arrived last
-                part = ws_ptr + (tile * SPLIT_K + s).to(tl.int64) * (2 * BLOCK_SIZE_M * BLOCK_SIZE_N) + offs_t
-                acc_gate += tl.load(part, cache_modifier=".cg")
-                acc_up += tl.load(part + BLOCK_SIZE_M * BLOCK_SIZE_N, cache_modifier=".cg")
-            _pointer_epilogue(acc_gate, acc_up, b_ptr, out_ptr, gate_rows, up_rows, offs_m, offs_i, mask_m, mask_i,
-                              stride_om, stride_oi, HAS_BIAS, ACTIVATION)
-            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call on this stream
-    else:
-        _pointer_epilogue(acc_gate, acc_up, b_ptr, out_ptr, gate_rows, up_rows, offs_m, offs_i, mask_m, mask_i,
-                          stride_om, stride_oi, HAS_BIAS, ACTIVATION)
+    # -- epilogue: bias, act(gate) * up in fp32, one rounding, one store --
+    if HAS_BIAS:
+        acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    h = _apply_activation(acc_gate, ACTIVATION) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
 
 
 @dataclass(frozen=True)
@@ -178,7 +135,6 @@ class GatedGemmConfig:
     warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
     stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
     split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
-    split_k: int = 1  # pointer kernel only: each tile's K blocks over this many programs, partials summed by the last
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -234,12 +190,13 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
 @dataclass(frozen=True)
 class DecodeRule:
     """The pointer kernel's config at M <= 16 on a GPU whose name holds one of `gpus`, for
-    K <= k_max and I <= i_max (None: any)."""
+    K <= k_max and i_min <= I <= i_max (None: any)."""
 
     gpus: tuple[str, ...]
     k_max: int | None
     i_max: int | None
     config: GatedGemmConfig
+    i_min: int | None = None
 
 
 # Decode rules, first match wins; a call no rule covers takes `_DEFAULTS[16]`. From the graph-timed
@@ -250,10 +207,12 @@ _DECODE_RULES: tuple[DecodeRule, ...] = (
     # 16x(2*32)x128 measured 27.9 µs against 29.1 for 16x(2*32)x256 on the H100, 21.3 against 21.9
     # for the next rule's tile on the H200.
     DecodeRule(("H100", "H200"), 2048, None, GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4)),
-    # I <= 16384 (Llama-3-8B, Gemma-2-9B): 16x(2*64)x256 with 3 stages, 0.8-2.4% faster than
-    # 16x(2*32)x256 on the H100 and 2-6% on the H200; 1-5% slower for wider I (Qwen2.5-7B,
-    # Gemma-2-27B, Llama-3-70B), which keep `_DEFAULTS[16]`.
-    DecodeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3)),
+    # 4096 <= I <= 16384 (Llama-3-8B, Gemma-2-9B): 16x(2*64)x256 with 3 stages, 0.8-2.4% faster
+    # than 16x(2*32)x256 on the H100 and 2-6% on the H200; 1-5% slower for wider I (Qwen2.5-7B,
+    # Gemma-2-27B, Llama-3-70B), which keep `_DEFAULTS[16]`. Tensor-parallel shards
+    # (tune_decode_tp_h100_bf16.json): best or within 0.3% at I = 4608-7168, 4% slower at I = 3584
+    # (56 tiles for 132 SMs), hence the lower bound.
+    DecodeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3), i_min=4096),
 )
 
 
@@ -265,7 +224,8 @@ def _gpu_name(device_index: int) -> str:
 def _decode_rule(name: str, k: int | None, i: int | None) -> GatedGemmConfig | None:
     for rule in _DECODE_RULES:
         if (any(g in name for g in rule.gpus) and (rule.k_max is None or (k is not None and k <= rule.k_max))
-                and (rule.i_max is None or (i is not None and i <= rule.i_max))):
+                and (rule.i_max is None or (i is not None and i <= rule.i_max))
+                and (rule.i_min is None or (i is not None and i >= rule.i_min))):
             return rule.config
     return None
 
@@ -352,7 +312,7 @@ def _launch_meta(cfg: GatedGemmConfig, code: int, has_bias: bool, precision: str
     """The pointer kernel's constexpr and launch keywords (built once per combination)."""
     return dict(
         HAS_BIAS=has_bias, ACTIVATION=code, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(),
-        SPLIT_K=cfg.split_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -391,14 +351,9 @@ def gated_gemm(
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n)
-    if cfg.split_k > 1:  # fp32 partials of every (tile, split); arrival counts per tile
-        ws = torch.empty(tiles * cfg.split_k * 2 * cfg.block_m * cfg.block_n, dtype=torch.float32, device=x.device)
-        cnt = stream_k_counts(x.device, tiles)
-    else:
-        ws = cnt = packed  # unused
-    _gated_gemm_fwd_kernel[(tiles, cfg.split_k)](
-        x, packed, bias if bias is not None else packed, out, ws, cnt,
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
+    _gated_gemm_fwd_kernel[grid](
+        x, packed, bias if bias is not None else packed, out,
         m, i, k,
         x.stride(0), x.stride(1),
         packed.stride(0), packed.stride(1),

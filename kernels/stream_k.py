@@ -1,5 +1,4 @@
-"""Stream-K bookkeeping for the persistent kernels (`gated_gemm_tma`), and the arrival counts that
-the pointer kernel's split-K shares.
+"""Stream-K bookkeeping for the persistent kernels (today `gated_gemm_tma`'s mostly idle last wave).
 
 Stream-K splits a range of (tile, K-iteration) pairs evenly over P persistent programs:
 with S iterations, program p runs the contiguous run [first(p), first(p + 1)) where the
@@ -38,9 +37,8 @@ def sk_piece_slot(p, tile_begin, q, r):
     return 2 * p + (sk_first_iter(p, q, r) < tile_begin).to(tl.int32)
 
 
-# Per (device, stream): int32 arrival counts of the stream-K tiles (`gated_gemm_tma`) and of the
-# split-K tiles (`gated_gemm`'s pointer kernel), zero between calls (each tile's last piece
-# resets its count). Calls on one stream run in order, so they can share
+# Per (device, stream): int32 arrival counts of the stream-K tiles, zero between calls (each
+# tile's last piece resets its count). Calls on one stream run in order, so they can share
 # one buffer; two streams never do. A buffer that grows is replaced, never freed: a CUDA graph
 # captured with it keeps its address.
 _counts: dict[tuple[int, int], torch.Tensor] = {}

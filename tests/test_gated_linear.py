@@ -110,35 +110,13 @@ def test_decode_config_per_gpu_and_shape(monkeypatch):
         assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(16, torch.bfloat16, 14336, 0, 3584) == narrow_i
         assert pick(1, torch.bfloat16, 18944, 0, 3584) == table  # Qwen2.5-7B: wider I than the rule covers
         assert pick(1, torch.bfloat16, 28672, 0, 8192) == table  # Llama-3-70B
+        assert pick(1, torch.bfloat16, 7168, 0, 8192) == narrow_i  # Llama-3-70B, 1 of 4 GPUs
+        assert pick(1, torch.bfloat16, 3584, 0, 8192) == table  # 1 of 8 GPUs: below the rule's I
         assert pick(32, torch.bfloat16, 14336, 0, 4096) == gg._for_bucket(gg._DEFAULTS, 32)  # not decode
         assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
         assert pick(1, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
-
-
-# Split-K (pointer kernel): K blocks split over programs per tile, partials summed by the last
-# to arrive. Cases: K not a multiple of the block, more splits than K blocks (empty runs),
-# I and M not multiples of the tile, one token.
-SPLIT_K_CASES = [(1, 1000, 600, 4, 128), (5, 200, 48, 3, 32), (16, 64, 40, 8, 32), (19, 72, 96, 2, 16)]
-
-
-@pytest.mark.parametrize("m,k,i,split_k,block_k", SPLIT_K_CASES)
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_split_k_matches_float64_and_is_deterministic(m, k, i, split_k, block_k, dtype):
-    from swiglu_patch.kernels.stream_k import all_counts_zero
-
-    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias=True)
-    config = GatedGemmConfig(16, 32, block_k, split_k=split_k)
-    outs = []
-    for _ in range(2):
-        out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
-        gated_gemm(x, pack_gate_up(gate, up), "gelu_tanh", pack_gate_up(bg, bu), out=out, config=config,
-                   kernel="pointer")
-        outs.append(out)
-    check(outs[0], x, gate, up, bg, bu, "gelu_tanh")
-    assert torch.equal(outs[0], outs[1])  # partials summed in split order, whoever arrives last
-    assert all_counts_zero()  # every tile's count reset for the next call
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
