@@ -88,12 +88,14 @@ TMA_MID_CONFIGS = [
 
 def mid_variants(m: int) -> list[tuple[str, dict]]:
     """The shipped pointer config for m's bucket against TMA tiles with and without a split tail."""
-    out = [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))]
-    for c in TMA_MID_CONFIGS + TMA_DECODE_CONFIGS:
-        for split in (False, True):
-            cfg = dataclasses.replace(c, split_tail=split)
-            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
-    return out
+    return [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))] + \
+        _tma_split_off_and_on(TMA_MID_CONFIGS + TMA_DECODE_CONFIGS)
+
+
+def _tma_split_off_and_on(configs: list[GatedGemmConfig]) -> list[tuple[str, dict]]:
+    """Each TMA config as a variant with the split tail off, then on."""
+    both = [dataclasses.replace(c, split_tail=split) for c in configs for split in (False, True)]
+    return [(f"tma {cfg}", dict(kernel="tma", config=cfg)) for cfg in both]
 
 
 def _shipped_ptr(m: int) -> GatedGemmConfig:
@@ -145,12 +147,8 @@ def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[st
     shipped = default_config(m_bucket(m), dtype, i, dev, k)
     ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32]
                         + DECODE_LONG_K_CONFIGS + DECODE_OCCUPANCY_CONFIGS)
-    out = [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr]
-    for c in TMA_DECODE_SMALL_M_CONFIGS:
-        for split in (False, True):
-            cfg = dataclasses.replace(c, split_tail=split)
-            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
-    return out
+    return [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr] + \
+        _tma_split_off_and_on(TMA_DECODE_SMALL_M_CONFIGS)
 
 
 def tail_variants(m: int) -> list[tuple[str, dict]]:
