@@ -17,7 +17,8 @@ tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
 unaligned strides) or the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M), each
-with a fixed config per M bucket measured by `benchmarks/tune_kernel.py`.
+with a fixed config per M bucket (at M <= 16 also per GPU and shape, `_DECODE_RULES`) measured
+by `benchmarks/tune_kernel.py`.
 """
 
 from __future__ import annotations
