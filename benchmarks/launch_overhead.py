@@ -29,8 +29,9 @@ from swiglu_patch.kernels.gated_gemm_tma import gated_gemm_tma
 
 def ways(x, packed, out):
     m = x.shape[0]
-    # the plain persistent path: on the tiny shape, stream-K would add its workspace allocation
-    tma_cfg = dataclasses.replace(_TMA_DEFAULTS[max(_TMA_DEFAULTS)], stream_k=False)
+    # the plain persistent path: the tiny shape's 2 tiles would otherwise take a tail mode
+    # (the shipped split tail, or stream-K with its workspace allocation)
+    tma_cfg = dataclasses.replace(_TMA_DEFAULTS[max(_TMA_DEFAULTS)], stream_k=False, split_tail=False)
     ptr_cfg = default_config(m, x.dtype)
     silu = ACTIVATION_CODES["silu"]
     return {
