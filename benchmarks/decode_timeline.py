@@ -1,0 +1,224 @@
+"""Where a decode call's time goes: per-program start and end times of our kernel and of a pure read.
+
+`read_floor.py` found ours 5-6 µs slower than a kernel that only reads the same weight bytes,
+on the 7-9B shapes at M = 1. This script looks inside one call of each. A copy of the pointer
+kernel (`_gated_gemm_fwd_kernel`, the shipped decode config for the GPU and shape) and of the
+pure-read kernel record, per program, `%globaltimer` when the program starts and after its
+last store, and `%smid`. From those (one call after a read-only L2 flush, the median-span of
+`--calls` calls):
+
+- `span`: last end - first start; `event`: the call's CUDA-event time (graph timer), so
+  event - span is launch latency plus what follows the last program's timer read;
+- `wave1`: when the last SM got its first program (every program of ours reads the same bytes);
+- `done 50/90/100`: when that share of the programs had finished, and `mid TB/s`: the bytes of
+  the programs finishing between 10% and 90%, over that time: the steady bandwidth;
+- `tail`: done 100 - done 90, against `ideal tail` = 10% of the bytes at the steady bandwidth.
+
+The instrumented kernels are timed beside the plain ones, so what the timer reads cost shows.
+
+    python -m benchmarks.decode_timeline --out $OUT/timeline --commit <sha> [--shapes llama-3-8b ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.env_info import environment
+from benchmarks.shapes import SHAPES, select_shapes
+from benchmarks.timing import GraphTimer
+from swiglu_patch import pack_gate_up
+from swiglu_patch.kernels import gated_gemm as shipped_module
+from swiglu_patch.kernels.activations import ACTIVATION_CODES
+
+DEFAULT_SHAPES = ["llama-3.2-1b", "llama-3-8b", "qwen2.5-7b", "gemma-2-9b"]
+READ_BLOCKS = [(8192, 4), (16384, 8)]  # (elements per program, warps) of the pure read
+
+_HELPERS = '''
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trace(trace_ptr, t_begin):
+    """trace[pid] = (start ns, end ns, SM id) of this program."""
+    t_end = _globaltimer()
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    pid = tl.program_id(0)
+    tl.store(trace_ptr + pid * 3, t_begin)
+    tl.store(trace_ptr + pid * 3 + 1, t_end)
+    tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+'''
+# (anchor in kernels/gated_gemm.py, replacement): a trace argument, a start time, the trace store
+_EDITS = [
+    ("    x_ptr, w_ptr, b_ptr, out_ptr,\n    M, I, K,", "    x_ptr, w_ptr, b_ptr, out_ptr, trace_ptr,\n    M, I, K,"),
+    ("    # -- tile ordering: groups", "    t_begin = _globaltimer()\n    # -- tile ordering: groups"),
+    ("    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])\n",
+     "    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])\n"
+     "    _trace(trace_ptr, t_begin)\n"),
+]
+
+
+def traced_pointer_module(root: Path):
+    """The `gated_gemm` module of a copy of the kernels package whose pointer kernel records a trace."""
+    pkg = "_timeline_kernels"
+    dst = root / pkg
+    shutil.copytree(Path(shipped_module.__file__).parent, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    path = dst / "gated_gemm.py"
+    text = path.read_text()
+    for anchor, new in _EDITS:
+        if text.count(anchor) != 1:
+            raise RuntimeError(f"decode_timeline: kernels/gated_gemm.py changed; anchor not found once: {anchor!r}")
+        text = text.replace(anchor, new)
+    path.write_text(text + _HELPERS)
+    spec = importlib.util.spec_from_file_location(pkg, dst / "__init__.py", submodule_search_locations=[str(dst)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[pkg] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module(f"{pkg}.gated_gemm")
+
+
+@triton.jit
+def _read_traced_kernel(src_ptr, out_ptr, trace_ptr, n, TRACE: tl.constexpr, BLOCK: tl.constexpr):
+    """out[pid] = fp32 sum of src[pid * BLOCK : (pid + 1) * BLOCK]; with TRACE, trace[pid] as above."""
+    if TRACE:
+        t_begin = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(src_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(v.to(tl.float32), axis=0))
+    if TRACE:
+        t_end = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                          is_pure=False, pack=1)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        pid = tl.program_id(0)
+        tl.store(trace_ptr + pid * 3, t_begin)
+        tl.store(trace_ptr + pid * 3 + 1, t_end)
+        tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+
+
+def summarize(trace: torch.Tensor, nbytes: int, sms: int) -> dict:
+    """Timeline numbers (µs from the first program's start) of one traced call."""
+    t = trace.cpu().double()
+    start, end = t[:, 0] - t[:, 0].min(), t[:, 1] - t[:, 0].min()
+    n = len(start)
+    ends = end.sort().values
+    per_prog = nbytes / n
+
+    def done(q: float) -> float:
+        return ends[min(n - 1, max(0, int(round(q * n)) - 1))].item() / 1e3
+
+    t10, t90 = done(0.1), done(0.9)
+    mid_tbps = (0.8 * n * per_prog) / ((t90 - t10) * 1e-6) / 1e12 if t90 > t10 else float("nan")
+    starts = start.sort().values
+    dur = (end - start) / 1e3
+    return dict(
+        programs=n, sms_used=int(t[:, 2].unique().numel()), span_us=ends[-1].item() / 1e3,
+        wave1_us=starts[min(n, sms) - 1].item() / 1e3, done50_us=done(0.5), done90_us=t90, done100_us=done(1.0),
+        mid_tbps=mid_tbps, tail_us=done(1.0) - t90, ideal_tail_us=(0.1 * nbytes) / (mid_tbps * 1e12) * 1e6,
+        program_us_median=statistics.median(dur.tolist()), program_us_max=dur.max().item(),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--calls", type=int, default=7)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_timeline"))
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    timer = GraphTimer(warmup_ms=5, rep_ms=30, rounds=4)
+    traced = traced_pointer_module(Path(tempfile.mkdtemp(prefix="decode_timeline_")))
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for shape in select_shapes(args.shapes, SHAPES):
+        k, i = shape.hidden, shape.intermediate
+        gate = (torch.randn(i, k, device="cuda") / k**0.5).to(dtype)
+        up = (torch.randn(i, k, device="cuda") / k**0.5).to(dtype)
+        packed = pack_gate_up(gate, up)
+        nbytes = packed.numel() * packed.element_size()
+        x = torch.randn(1, k, device="cuda").to(dtype)
+        cfg = shipped_module.default_config(1, dtype, i, dev, k)
+        grid = (triton.cdiv(1, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
+        out = torch.empty(1, i, device="cuda", dtype=dtype)
+        trace = torch.zeros(grid[0], 3, device="cuda", dtype=torch.int64)
+        meta = shipped_module._launch_meta(cfg, ACTIVATION_CODES[shape.activation], False, "tf32")
+
+        def ours_traced():
+            traced._gated_gemm_fwd_kernel[grid](
+                x, packed, packed, out, trace, 1, i, k, x.stride(0), x.stride(1),
+                packed.stride(0), packed.stride(1), out.stride(0), out.stride(1), **meta)
+
+        fns = {"ours": lambda: shipped_module.gated_gemm(x, packed, shape.activation, out=out),
+               "ours traced": ours_traced}
+        traces = {"ours traced": (trace, nbytes)}
+        ours_traced()
+        ref = shipped_module.gated_gemm(x, packed, shape.activation)
+        torch.cuda.synchronize()
+        if not torch.equal(out, ref):
+            raise RuntimeError(f"decode_timeline: the traced kernel's output differs from the shipped one ({shape.name})")
+        n = packed.numel()
+        for block, warps in READ_BLOCKS:
+            rgrid = (triton.cdiv(n, block),)
+            sums = torch.empty(rgrid, device="cuda", dtype=torch.float32)
+            rtrace = torch.zeros(rgrid[0], 3, device="cuda", dtype=torch.int64)
+            for tr in (False, True):
+                name = f"read {block}/{warps}" + (" traced" if tr else "")
+                fns[name] = (lambda rgrid=rgrid, sums=sums, rtrace=rtrace, tr=tr, block=block, warps=warps:
+                             _read_traced_kernel[rgrid](packed, sums, rtrace, n, TRACE=tr, BLOCK=block,
+                                                        num_warps=warps))
+            traces[f"read {block}/{warps} traced"] = (rtrace, nbytes)
+        event_us = {name: s * 1e6 for name, s in timer.many(fns).items()}
+        row = dict(shape=shape.name, K=k, I=i, weight_mib=nbytes / 2**20, config=str(cfg), event_us=event_us,
+                   timelines={})
+        for name, (tr, nb) in traces.items():
+            runs = []
+            for _ in range(args.calls):
+                timer._flush()
+                fns[name]()
+                torch.cuda.synchronize()
+                runs.append(summarize(tr, nb, sms))
+            runs.sort(key=lambda r: r["span_us"])
+            row["timelines"][name] = runs[len(runs) // 2] | dict(span_us_all=[r["span_us"] for r in runs])
+        rows.append(row)
+        print(f"{shape.name}: " + "  ".join(f"{n} {v:.1f}" for n, v in event_us.items()), flush=True)
+        del gate, up, packed
+        torch.cuda.empty_cache()
+    env = environment(torch.device("cuda"), args.commit) | dict(dtype=args.dtype, timer=timer.describe())
+    (args.out / f"decode_timeline_{args.dtype}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    lines = [f"# Decode timeline, M = 1 ({env['gpu']['name']}, {args.dtype}, commit {args.commit})", "",
+             f"Times in µs from the first program's start; event: CUDA-event time per call ({timer.describe()}).", "",
+             "| shape | kernel | event | event plain | programs | wave1 | done50 | done90 | span | tail | ideal tail "
+             "| mid TB/s | program median / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, tl_ in r["timelines"].items():
+            plain = name.replace(" traced", "")
+            lines.append(
+                f"| {r['shape']} | {name} | {r['event_us'][name]:.1f} | {r['event_us'][plain]:.1f} | {tl_['programs']} "
+                f"| {tl_['wave1_us']:.1f} | {tl_['done50_us']:.1f} | {tl_['done90_us']:.1f} | {tl_['span_us']:.1f} "
+                f"| {tl_['tail_us']:.1f} | {tl_['ideal_tail_us']:.1f} | {tl_['mid_tbps']:.2f} "
+                f"| {tl_['program_us_median']:.1f} / {tl_['program_us_max']:.1f} |")
+    (args.out / f"decode_timeline_{args.dtype}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
