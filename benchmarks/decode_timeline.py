@@ -199,8 +199,6 @@ def main() -> None:
             row["timelines"][name] = runs[len(runs) // 2] | dict(span_us_all=[r["span_us"] for r in runs])
         rows.append(row)
         print(f"{shape.name}: " + "  ".join(f"{n} {v:.1f}" for n, v in event_us.items()), flush=True)
-        del gate, up, packed
-        torch.cuda.empty_cache()
     env = environment(torch.device("cuda"), args.commit) | dict(dtype=args.dtype, timer=timer.describe())
     (args.out / f"decode_timeline_{args.dtype}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     lines = [f"# Decode timeline, M = 1 ({env['gpu']['name']}, {args.dtype}, commit {args.commit})", "",

@@ -148,8 +148,6 @@ def main() -> None:
             rows.append(row)
             print(f"{shape.name:14s} M={m:6d} gemm_only {row['gemm_only_us']:8.1f} us  "
                   + "  ".join(f"{n} {r:.3f}" for n, r in row["ratio"].items()), flush=True)
-        del gate, up, stacked, packed
-        torch.cuda.empty_cache()
     env = environment(torch.device("cuda"), args.commit) | dict(dtype=args.dtype, timer=timer.describe())
     (args.out / f"epilogue_cost_{args.dtype}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     names = list(modules)
