@@ -10,6 +10,9 @@ last store, and `%smid`. From those (one call after a read-only L2 flush, the me
 - `span`: last end - first start; `event`: the call's CUDA-event time (graph timer), so
   event - span is launch latency plus what follows the last program's timer read;
 - `wave1`: when the last SM got its first program (every program of ours reads the same bytes);
+- `tile read`: our tile's access pattern alone (`_tile_read_kernel`: the same rows per
+  program, K step, warps and stages, summing instead of the dot), to tell the access pattern's
+  cost from the rest of the kernel's;
 - `done 50/90/100`: when that share of the programs had finished, and `mid TB/s`: the bytes of
   the programs finishing between 10% and 90%, over that time: the steady bandwidth;
 - `tail`: done 100 - done 90, against `ideal tail` = 10% of the bytes at the steady bandwidth.
@@ -110,6 +113,33 @@ def _read_traced_kernel(src_ptr, out_ptr, trace_ptr, n, TRACE: tl.constexpr, BLO
         tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
 
 
+@triton.jit
+def _tile_read_kernel(w_ptr, out_ptr, trace_ptr, K, stride_wn, TRACE: tl.constexpr,
+                      ROWS: tl.constexpr, BLOCK_SIZE_K: tl.constexpr):
+    """Our decode tile's access pattern without its math: program pid reads packed rows
+    pid*ROWS .. +ROWS over all K in [ROWS, BLOCK_SIZE_K] steps (as the pointer kernel reads its
+    gate and up rows) and stores their fp32 sum; with TRACE, trace[pid] as above."""
+    if TRACE:
+        t_begin = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                            is_pure=False, pack=1)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        acc += tl.sum(tl.load(ptrs, mask=offs_k[None, :] < K - k * BLOCK_SIZE_K, other=0.0).to(tl.float32), axis=1)
+        ptrs += BLOCK_SIZE_K
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+    if TRACE:
+        t_end = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                          is_pure=False, pack=1)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        pid = tl.program_id(0)
+        tl.store(trace_ptr + pid * 3, t_begin)
+        tl.store(trace_ptr + pid * 3 + 1, t_end)
+        tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+
+
 def summarize(trace: torch.Tensor, nbytes: int, sms: int) -> dict:
     """Timeline numbers (µs from the first program's start) of one traced call."""
     t = trace.cpu().double()
@@ -139,6 +169,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--calls", type=int, default=7)
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--ncu-driver", action="store_true",
+                    help="run each plain kernel once per shape and exit (for `ncu python3 -m ...`)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_timeline"))
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -185,6 +217,26 @@ def main() -> None:
                              _read_traced_kernel[rgrid](packed, sums, rtrace, n, TRACE=tr, BLOCK=block,
                                                         num_warps=warps))
             traces[f"read {block}/{warps} traced"] = (rtrace, nbytes)
+        # our tile's rows and K step, our warps and stages, no dot
+        tgrid = (2 * i // (2 * cfg.block_n),)
+        tsums = torch.empty(tgrid, device="cuda", dtype=torch.float32)
+        ttrace = torch.zeros(tgrid[0], 3, device="cuda", dtype=torch.int64)
+        for tr in (False, True):
+            fns["tile read" + (" traced" if tr else "")] = (
+                lambda tr=tr: _tile_read_kernel[tgrid](packed, tsums, ttrace, k, packed.stride(0), TRACE=tr,
+                                                       ROWS=2 * cfg.block_n, BLOCK_SIZE_K=cfg.block_k,
+                                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        traces["tile read traced"] = (ttrace, nbytes)
+        fns["tile read"]()
+        torch.cuda.synchronize()
+        tile_err = abs(tsums.double().sum().item() - packed.double().sum().item()) / packed.double().abs().sum().item()
+        if not tile_err < 1e-6:
+            raise RuntimeError(f"decode_timeline: tile read sums off by {tile_err:.3g} ({shape.name})")
+        if args.ncu_driver:  # one call of each plain kernel for the profiler, no timing
+            for name in ("ours", "tile read", *(f"read {b}/{w}" for b, w in READ_BLOCKS)):
+                fns[name]()
+            torch.cuda.synchronize()
+            continue
         event_us = {name: s * 1e6 for name, s in timer.many(fns).items()}
         row = dict(shape=shape.name, K=k, I=i, weight_mib=nbytes / 2**20, config=str(cfg), event_us=event_us,
                    timelines={})
@@ -197,8 +249,14 @@ def main() -> None:
                 runs.append(summarize(tr, nb, sms))
             runs.sort(key=lambda r: r["span_us"])
             row["timelines"][name] = runs[len(runs) // 2] | dict(span_us_all=[r["span_us"] for r in runs])
+            t = tr.cpu()
+            t0 = t[:, 0].min()
+            row["timelines"][name]["raw_ns"] = dict(start=(t[:, 0] - t0).tolist(), end=(t[:, 1] - t0).tolist(),
+                                                    sm=t[:, 2].tolist())
         rows.append(row)
         print(f"{shape.name}: " + "  ".join(f"{n} {v:.1f}" for n, v in event_us.items()), flush=True)
+    if args.ncu_driver:
+        return
     env = environment(torch.device("cuda"), args.commit) | dict(dtype=args.dtype, timer=timer.describe())
     (args.out / f"decode_timeline_{args.dtype}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     lines = [f"# Decode timeline, M = 1 ({env['gpu']['name']}, {args.dtype}, commit {args.commit})", "",
