@@ -11,6 +11,7 @@ copied from that output.
     python -m benchmarks.tune_kernel --variants tail --tokens 384 512 1024 ...   # last-wave handling
     python -m benchmarks.tune_kernel --variants mid --tokens 32 48 64            # TMA at 17 <= M <= 64
     python -m benchmarks.tune_kernel --variants decode --tokens 1 4 16           # TMA at M <= 16
+    python -m benchmarks.tune_kernel --variants midocc --tokens 24 32 48 64 --with-liger  # occupancy at mid M
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import triton
 
 from benchmarks.timing import GraphTimer
+from benchmarks.ways import Operands, build, fast_liger_autotune
 from benchmarks.shapes import SHAPES, TP_SHARD_SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
@@ -139,6 +141,30 @@ DECODE_OCCUPANCY_CONFIGS = [
 ]
 
 
+# 17 <= M <= 64 through the pointer kernel with small shared-memory footprints (1-3 buffers of
+# at most 40 KB), so that two or more programs share an SM: the shipped tiles (4 stages) run one
+# program per SM, and a weight-bound call whose tile count is not a multiple of the SMs then
+# ends in a partial wave (Qwen2.5-7B at M = 32: 296 tiles, 2.24 waves).
+MID_OCCUPANCY_CONFIGS = [
+    GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=2),
+    GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=3),
+    GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=3),
+    GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=4),
+    GatedGemmConfig(32, 32, 128, num_warps=4, num_stages=3),
+    GatedGemmConfig(32, 128, 64, num_warps=4, num_stages=3),
+    GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=2),
+    GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=3),
+    GatedGemmConfig(64, 32, 128, num_warps=4, num_stages=3),
+    GatedGemmConfig(64, 128, 64, num_warps=8, num_stages=3),
+]
+
+
+def mid_occupancy_variants(m: int) -> list[tuple[str, dict]]:
+    """The shipped pointer config for m's bucket and the low-footprint pointer tiles that hold m."""
+    cfgs = dict.fromkeys([_shipped_ptr(m)] + [c for c in MID_OCCUPANCY_CONFIGS if c.block_m >= min(m, 64)])
+    return [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in cfgs]
+
+
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
     kernel's decode candidates, long-K and low-stage tiles, and the persistent TMA kernel's
@@ -178,17 +204,22 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "decode"], default="all",
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "decode"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
+                         "midocc: low-footprint pointer tiles at 17 <= M <= 64; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
+    ap.add_argument("--with-liger", action="store_true",
+                    help="time Liger's gemm_swiglu (SiLU shapes) in each row too, as config 'liger'")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune"))
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     timer = GraphTimer(warmup_ms=5, rep_ms=args.rep_ms, rounds=3)
+    if args.with_liger:
+        fast_liger_autotune(5, 20)
     t_start = time.perf_counter()
     rows_out = []
     for shape in select_shapes(args.shapes, TP_SHARD_SHAPES if args.tp_shards else SHAPES):
@@ -204,7 +235,7 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
-            pick = dict(all=variants, tail=tail_variants, mid=mid_variants,
+            pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
                         decode=lambda m: decode_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
@@ -224,16 +255,24 @@ def main() -> None:
                                     first_call_s=first_call_s)
                 if ok:
                     fns[label] = (lambda kw=kw, out=out: gated_gemm(x, packed, shape.activation, out=out, **kw))
+            if args.with_liger and shape.activation == "silu":
+                liger = build("liger", Operands(x, stacked, gate, up, packed, shape.activation, "auto"))
+                err = rel_err_rows(liger(), x, gate, up, shape.activation, rows)
+                found["liger"] = dict(shape=shape.name, m=m, bucket=m_bucket(m), config="liger", rel_err=err,
+                                      ok=math.isfinite(err) and err < 1e-2, first_call_s=float("nan"))
+                if found["liger"]["ok"]:
+                    fns["liger"] = liger
             secs = timer.many(fns)
             t_gemm = secs["gemm_only"] * 1e3
             for label, r in found.items():
                 t = secs.get(label, float("nan")) * 1e3
                 rows_out.append(dict(r, ms=t, gemm_only_ms=t_gemm, ratio=t / t_gemm))
-            best = min((r for r in rows_out if r.get("shape") == shape.name and r["m"] == m and r.get("ok")),
-                       key=lambda r: r["ms"], default=None)
+            best = min((r for r in rows_out if r.get("shape") == shape.name and r["m"] == m and r.get("ok")
+                        and r["config"] != "liger"), key=lambda r: r["ms"], default=None)
             if best:
+                liger_note = f"  liger {secs['liger'] * 1e3 / t_gemm:.3f}" if "liger" in secs else ""
                 print(f"{shape.name:14s} M={m:6d} gemm_only {t_gemm*1e3:9.1f} us  best {best['ms']*1e3:9.1f} us "
-                      f"ratio {best['ratio']:.3f}  {best['config']}", flush=True)
+                      f"ratio {best['ratio']:.3f}  {best['config']}{liger_note}", flush=True)
             del fns, found, x
         del gate, up, stacked, packed
         torch.cuda.empty_cache()
@@ -244,7 +283,7 @@ def main() -> None:
     # per M bucket: the config with the best geometric-mean ratio over the shapes measured
     by_bucket: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows_out:
-        if r.get("ok"):
+        if r.get("ok") and r["config"] != "liger":
             by_bucket[r["bucket"]][r["config"]].append(math.log(r["ratio"]))
     errors = sorted({r["config"] + ": " + r["error"] for r in rows_out if "error" in r})
     print(f"\n{len(errors)} variants failed to run:" + "".join("\n  " + e for e in errors[:10]))
