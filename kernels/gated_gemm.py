@@ -17,7 +17,7 @@ tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
 unaligned strides) or the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M), each
-with a fixed config per M bucket (at M <= 16 also per GPU and shape, `_DECODE_RULES`) measured
+with a fixed config per M bucket (at M <= 32 also per GPU and shape, `_SHAPE_RULES`) measured
 by `benchmarks/tune_kernel.py`.
 """
 
@@ -183,37 +183,52 @@ CANDIDATE_CONFIGS: list[GatedGemmConfig] = [
     GatedGemmConfig(128, 128, 64, num_warps=8, num_stages=4),
 ]
 
+
+def _bucket_key(table: dict[int, GatedGemmConfig], m: int) -> int:
+    """The smallest key of `table` that holds m (the largest key for any bigger m)."""
+    return min((b for b in table if b >= m_bucket(m)), default=max(table))
+
+
 def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
     """The entry of the smallest bucket key that holds m (the largest key for any bigger m)."""
-    return table[min((b for b in table if b >= m_bucket(m)), default=max(table))]
+    return table[_bucket_key(table, m)]
 
 
 @dataclass(frozen=True)
-class DecodeRule:
-    """The pointer kernel's config at M <= 16 on a GPU whose name holds one of `gpus`, for
-    K <= k_max and i_min <= I <= i_max (None: any)."""
+class ShapeRule:
+    """The pointer kernel's config for the M bucket `bucket` (a `_DEFAULTS` key: 16 is
+    M <= 16, 32 is 17 <= M <= 32) on a GPU whose name holds one of `gpus`, for K <= k_max
+    and i_min <= I <= i_max (None: any)."""
 
     gpus: tuple[str, ...]
     k_max: int | None
     i_max: int | None
     config: GatedGemmConfig
     i_min: int | None = None
+    bucket: int = 16
 
 
-# Decode rules, first match wins; a call no rule covers takes `_DEFAULTS[16]`. From the graph-timed
-# decode sweeps (H100: benchmarks/results/tune_graph/tune_decode_streamk_h100_bf16.json, data-parallel
-# rows; H200: tune_h200_bf16.json), M = 1, 4, 16:
-_DECODE_RULES: tuple[DecodeRule, ...] = (
+# Shape rules, first match wins; a call no rule covers takes its bucket's `_DEFAULTS` entry.
+# Decode (bucket 16), from the graph-timed decode sweeps (H100:
+# benchmarks/results/tune_graph/tune_decode_streamk_h100_bf16.json, data-parallel rows; H200:
+# tune_h200_bf16.json), M = 1, 4, 16:
+_SHAPE_RULES: tuple[ShapeRule, ...] = (
     # K <= 2048 (Llama-3.2-1B): a 256-wide K block leaves 8 iterations, half of them pipeline fill;
     # 16x(2*32)x128 measured 27.9 µs against 29.1 for 16x(2*32)x256 on the H100, 21.3 against 21.9
     # for the next rule's tile on the H200.
-    DecodeRule(("H100", "H200"), 2048, None, GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4)),
+    ShapeRule(("H100", "H200"), 2048, None, GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4)),
     # 4096 <= I <= 16384 (Llama-3-8B, Gemma-2-9B): 16x(2*64)x256 with 3 stages, 0.8-2.4% faster
     # than 16x(2*32)x256 on the H100 and 2-6% on the H200; 1-5% slower for wider I (Qwen2.5-7B,
     # Gemma-2-27B, Llama-3-70B), which keep `_DEFAULTS[16]`. Tensor-parallel shards
     # (tune_decode_tp_h100_bf16.json): best or within 0.3% at I = 4608-7168, 4% slower at I = 3584
     # (56 tiles for 132 SMs), hence the lower bound.
-    DecodeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3), i_min=4096),
+    ShapeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3), i_min=4096),
+    # 17 <= M <= 32 with I > 16384 and K <= 4096 (Qwen2.5-7B): the bucket's 4-stage tile takes 120 KB
+    # of shared memory, one program per SM, and Qwen's 296 tiles run as 2.24 waves; with 2 stages
+    # (40 KB) every tile is resident at once: 0.948x of cuBLAS at M = 32 against 0.999x, 0.960x
+    # against 1.015x at M = 24, where Liger ran at 0.958x / 0.962x. On the other five shapes
+    # 2 stages lost 1-19% (H100, tune_midocc_h100_bf16.json).
+    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=2), i_min=16385, bucket=32),
 )
 
 
@@ -222,9 +237,10 @@ def _gpu_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
-def _decode_rule(name: str, k: int | None, i: int | None) -> GatedGemmConfig | None:
-    for rule in _DECODE_RULES:
-        if (any(g in name for g in rule.gpus) and (rule.k_max is None or (k is not None and k <= rule.k_max))
+def _shape_rule(name: str, bucket: int, k: int | None, i: int | None) -> GatedGemmConfig | None:
+    for rule in _SHAPE_RULES:
+        if (rule.bucket == bucket and any(g in name for g in rule.gpus)
+                and (rule.k_max is None or (k is not None and k <= rule.k_max))
                 and (rule.i_max is None or (i is not None and i <= rule.i_max))
                 and (rule.i_min is None or (i is not None and i >= rule.i_min))):
             return rule.config
@@ -238,9 +254,10 @@ def default_config(
     """The shipped pointer-kernel config for M tokens (the hot path passes `m_bucket(M)`: one
     cache entry per bucket), I output columns and K input features on CUDA device
     `device_index` (None: the bucket table `_DEFAULTS`, whatever the device)."""
-    cfg = _for_bucket(_DEFAULTS, m)
-    if device_index is not None and m <= 16:
-        cfg = _decode_rule(_gpu_name(device_index), k, i) or cfg
+    bucket = _bucket_key(_DEFAULTS, m)
+    cfg = _DEFAULTS[bucket]
+    if device_index is not None:
+        cfg = _shape_rule(_gpu_name(device_index), bucket, k, i) or cfg
     if dtype == torch.float32:
         cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k // 2))
     return cfg

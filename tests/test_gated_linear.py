@@ -84,26 +84,27 @@ def test_kernel_many_tiles_and_k_steps(config, dtype):
     check(out, x, gate, up, bg, bu, "silu")
 
 
-@pytest.mark.parametrize("m", [1, 5, 16])
-def test_every_shipped_decode_config_matches_float64(m):
-    """The H100 and the per-GPU decode configs, whichever GPU runs the test (bf16 there, fp16 in
-    the interpreter), on a shape whose I and K are no multiple of any block."""
+@pytest.mark.parametrize("m", [1, 5, 16, 27])
+def test_every_shipped_shape_rule_config_matches_float64(m):
+    """The bucket's table config and every per-GPU, per-shape config (`_SHAPE_RULES`), whichever
+    GPU runs the test (bf16 there, fp16 in the interpreter), on a shape whose I and K are no
+    multiple of any block."""
     from swiglu_patch.kernels import gated_gemm as gg
 
     dtype = torch.bfloat16 if CUDA else torch.float16
     x, gate, up, bg, bu = make_case(m, 1000, 600, dtype, bias=True)
-    for config in [gg.default_config(16, dtype), *(rule.config for rule in gg._DECODE_RULES)]:
+    for config in [gg.default_config(m, dtype), *(rule.config for rule in gg._SHAPE_RULES)]:
         out = torch.full((m, 600), float("nan"), dtype=dtype, device=DEVICE)
         gated_gemm(x, pack_gate_up(gate, up), "silu", pack_gate_up(bg, bu), out=out, config=config)
         check(out, x, gate, up, bg, bu, "silu")
 
 
-def test_decode_config_per_gpu_and_shape(monkeypatch):
+def test_config_per_gpu_and_shape(monkeypatch):
     from swiglu_patch.kernels import gated_gemm as gg
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
-    table = gg._for_bucket(gg._DEFAULTS, 1)
-    short_k, narrow_i = (rule.config for rule in gg._DECODE_RULES)
+    table, table32 = gg._for_bucket(gg._DEFAULTS, 1), gg._for_bucket(gg._DEFAULTS, 32)
+    short_k, narrow_i, mid_wide_i = (rule.config for rule in gg._SHAPE_RULES)
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
         assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
@@ -112,9 +113,15 @@ def test_decode_config_per_gpu_and_shape(monkeypatch):
         assert pick(1, torch.bfloat16, 28672, 0, 8192) == table  # Llama-3-70B
         assert pick(1, torch.bfloat16, 7168, 0, 8192) == narrow_i  # Llama-3-70B, 1 of 4 GPUs
         assert pick(1, torch.bfloat16, 3584, 0, 8192) == table  # 1 of 8 GPUs: below the rule's I
-        assert pick(32, torch.bfloat16, 14336, 0, 4096) == gg._for_bucket(gg._DEFAULTS, 32)  # not decode
+        assert pick(32, torch.bfloat16, 14336, 0, 4096) == table32  # Llama-3-8B at M = 32: the table
+        assert pick(32, torch.bfloat16, 36864, 0, 4608) == table32  # Gemma-2-27B: K above the rule's
+        assert pick(64, torch.bfloat16, 18944, 0, 3584) == gg._for_bucket(gg._DEFAULTS, 64)
         assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
         assert pick(1, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
+    # Qwen2.5-7B at 17 <= M <= 32: measured on the H100 only
+    assert pick(32, torch.bfloat16, 18944, 0, 3584) == table32  # (the H200 is patched in last)
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
 
