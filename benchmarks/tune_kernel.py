@@ -12,6 +12,7 @@ copied from that output.
     python -m benchmarks.tune_kernel --variants mid --tokens 32 48 64            # TMA at 17 <= M <= 64
     python -m benchmarks.tune_kernel --variants decode --tokens 1 4 16           # TMA at M <= 16
     python -m benchmarks.tune_kernel --variants midocc --tokens 24 32 48 64 --with-liger  # occupancy at mid M
+    python -m benchmarks.tune_kernel --variants paired --tokens 64 128 512 2048 8192   # 2 programs per SM
 """
 
 from __future__ import annotations
@@ -165,6 +166,37 @@ def mid_occupancy_variants(m: int) -> list[tuple[str, dict]]:
     return [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in cfgs]
 
 
+# Two persistent programs per SM (`programs_per_sm=2`): tiles whose shared memory fits twice
+# in an SM (<= 112 KB each, Triton 3.6 on sm_90), so that one program's epilogue (the
+# activation, which stops the MMAs of a one-program SM: `epilogue_cost.py`) can run while the
+# other's MMAs do. Each tile also runs with one program per SM, to tell the tile from the pairing.
+TMA_PAIRED_CONFIGS = [
+    GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=3, programs_per_sm=2),
+    GatedGemmConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=3, programs_per_sm=2),
+    GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2),
+    GatedGemmConfig(128, 64, 32, group_m=8, num_warps=4, num_stages=4, programs_per_sm=2),
+]
+TMA_PAIRED_SMALL_M_CONFIGS = [
+    GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2),
+    GatedGemmConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=3, programs_per_sm=2),
+    GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=2, programs_per_sm=2),
+]
+
+
+def paired_variants(m: int) -> list[tuple[str, dict]]:
+    """The shipped config for m (TMA beyond TMA_MIN_M, else pointer) against paired TMA tiles,
+    each also with one program per SM; 128-row tiles with a split tail, as shipped beyond M = 128."""
+    out = [(f"tma {_tma_default(m_bucket(m))}", dict(kernel="tma", config=_tma_default(m_bucket(m))))] if m > 64 \
+        else [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))]
+    cfgs = TMA_PAIRED_SMALL_M_CONFIGS if m <= 256 else []
+    cfgs = cfgs + ([dataclasses.replace(c, split_tail=True) for c in TMA_PAIRED_CONFIGS] if m >= 256 else [])
+    for c in cfgs:
+        for pps in (2, 1):
+            cfg = dataclasses.replace(c, programs_per_sm=pps)
+            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
+    return out
+
+
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
     kernel's decode candidates, long-K and low-stage tiles, and the persistent TMA kernel's
@@ -204,10 +236,11 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "decode"], default="all",
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "decode"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
                          "midocc: low-footprint pointer tiles at 17 <= M <= 64; "
+                         "paired: TMA tiles with two persistent programs per SM; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--with-liger", action="store_true",
@@ -236,6 +269,7 @@ def main() -> None:
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
             pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
+                        paired=paired_variants,
                         decode=lambda m: decode_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):

@@ -136,6 +136,7 @@ class GatedGemmConfig:
     warp_specialize: bool = False  # TMA kernel only: loads and MMAs in separate warp groups
     stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
     split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
+    programs_per_sm: int = 1  # TMA kernel only: persistent programs per SM (2: two share an SM, if they fit)
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""

@@ -12,7 +12,9 @@ rounding), organised for large M:
   the epilogue views it as [BM, BN/16, 2, 16], moves the gate/up axis last and splits it.
   Gate column j and up column j sit 16 columns apart, inside one thread's accumulator
   registers, so the split moves no data.
-- persistent programs (one per SM) walk the tiles in grouped order for L2 reuse.
+- persistent programs (`config.programs_per_sm` per SM, one by default) walk the tiles in
+  grouped order for L2 reuse. With two per SM (a tile small enough for two programs' shared
+  memory), one program's epilogue can run while the other's MMAs do.
 - stream-K (`config.stream_k`; no shipped config sets it: the split tail below measured faster
   wherever both apply): where the last wave of whole tiles would leave most SMs idle, its
   tiles' K iterations are split evenly over all programs instead. A tile split between
@@ -312,8 +314,8 @@ def gated_gemm_tma(
     m, k = x.shape
     i = packed.shape[0] // 2
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    # one program per SM, whatever the tile count: a constant NUM_PROGRAMS compiles once
-    programs = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    # programs_per_sm programs per SM, whatever the tile count: a constant NUM_PROGRAMS compiles once
+    programs = config.programs_per_sm * (_num_sms(x.device.index or 0) if x.is_cuda else 4)
     plan = plan_tail(m, i, config, programs, stream_k_min_idle)
     if plan.stream_k:  # fp32 pieces of split tiles: two slots per program; counts per stream-K tile
         ws = torch.empty((2 * programs, bm, 2 * bn), dtype=torch.float32, device=x.device)

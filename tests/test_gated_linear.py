@@ -354,6 +354,26 @@ def test_tma_split_tail_matches_float64(m, k, i, cfg, device_descriptors, dtype)
     check(out, x, gate, up, bg, bu, "silu")
 
 
+# Two persistent programs per SM (8 on the interpreter's 4 "SMs"): tiles strided by twice the
+# SM count, a partial last wave, with and without a split tail.
+PAIRED_CASES = [
+    (37, 72, 96, GatedGemmConfig(16, 32, 16, group_m=2, programs_per_sm=2)),  # 9 tiles on 8 programs
+    (37, 72, 64, GatedGemmConfig(16, 64, 16, group_m=2, programs_per_sm=2, split_tail=True)),  # 3 tiles -> 3 x 2
+] if not CUDA else [
+    (2432, 256, 14336, GatedGemmConfig(128, 64, 64, num_warps=4, num_stages=3, programs_per_sm=2, split_tail=True)),
+    (300, 512, 1120 + 16, GatedGemmConfig(64, 64, 128, num_warps=4, num_stages=2, programs_per_sm=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,i,cfg", PAIRED_CASES)
+@pytest.mark.parametrize("dtype", TMA_DTYPES)
+def test_tma_two_programs_per_sm_matches_float64(m, k, i, cfg, dtype):
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias=True)
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
+    gated_gemm(x, pack_gate_up(gate, up), "gelu_tanh", pack_gate_up(bg, bu), out=out, config=cfg, kernel="tma")
+    check(out, x, gate, up, bg, bu, "gelu_tanh")
+
+
 def test_registered_op_matches_and_passes_opcheck():
     """The op torch.compile and CUDA graphs see: same result, and a fake impl that fits."""
     x, gate, up, bg, bu = make_case(9, 32, 48, torch.float32, bias=True)
