@@ -276,7 +276,10 @@ def _tma_default(m: int) -> GatedGemmConfig:
 # Last wave (benchmarks/results/tune_graph/tune_tail_h100_bf16.json): a split tail beat stream-K
 # and whole tiles on the 128x(2*128) buckets (geometric mean over the six shapes at M = 512:
 # 1.041x of cuBLAS split, 1.088x stream-K, 1.094x whole) and lost on 64x(2*64) tiles (M <= 128,
-# weight-bandwidth bound: 1.039x split, 1.030x whole), so only the former split.
+# weight-bandwidth bound: 1.039x split, 1.030x whole), so only the former split. `warp_specialize`
+# follows the sweeps that picked it, but with Triton 3.6 on sm_90 it compiles to the same SASS
+# as without (`python -m benchmarks.epilogue_sass --warp-specialize`): the flag only matters
+# where Triton partitions the loop (newer GPUs), where these tiles were never measured.
 _TMA_DEFAULTS: dict[int, GatedGemmConfig] = {
     128: GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
     1024: GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True, split_tail=True),

@@ -108,3 +108,31 @@ def test_mid_occupancy_variants_hold_m_and_include_the_shipped_tile(m):
     assert cfgs[0] == _for_bucket(_DEFAULTS, m)
     assert all(c.block_m >= min(m, 64) and c.block_m <= 64 for c in cfgs)
     assert len(set(cfgs)) == len(cfgs) > 1
+
+
+def test_epilogue_sass_counts_the_mufu_ops_each_variant_claims():
+    """`python -m benchmarks.epilogue_sass` compiles the shipped prefill tile and its variants for
+    sm_90 on this machine (Triton's bundled ptxas and cuobjdump; no GPU, no interpreter: a
+    subprocess without TRITON_INTERPRET) and reports the MUFU ops per thread of a tile's
+    epilogue: two per output (64 outputs per thread) for the shipped sigmoid, one with the
+    Newton reciprocal, none without an activation."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "cuobjdump").exists() or not (bin_dir / "ptxas").exists():
+        pytest.skip(f"this Triton install has no bundled cuobjdump/ptxas in {bin_dir}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.epilogue_sass", "--activation", "silu"],
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mufu = {}
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[1] == "silu":
+            mufu[cells[0]] = int(cells[3])
+    assert mufu == {"shipped": 128, "mufu": 128, "fdiv": 128, "newton": 64, "none": 0}

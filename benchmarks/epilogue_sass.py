@@ -1,0 +1,96 @@
+"""Count the prefill epilogue's instructions in the sm_90 SASS, per sigmoid variant; no GPU needed.
+
+Compiles the TMA kernel (`_gated_gemm_tma_devdesc_kernel`, the shipped 128x(2x128)x64 tile,
+8 warps, 4 stages, flattened loop) for sm_90 with the installed Triton and its bundled ptxas
+and cuobjdump, once per sigmoid variant of `epilogue_cost.py`, and counts the instructions
+between the last wgmma wait of a tile (`WARPGROUP.DEPBAR.LE gsb0, 0x0`) and its TMA store
+(`UTMASTG`): the epilogue that every thread of the two consumer warpgroups runs per tile while
+the tensor cores idle. MUFU ops run 16 per clock per SM on sm_90 (CUDA programming guide,
+arithmetic instruction throughput), so 2 * 64 outputs per thread * 256 threads / 16 = 2048
+clocks per tile for two MUFU ops per output.
+
+With --warp-specialize it also compiles the shipped tile with and without
+`warp_specialize=True` and says whether the SASS differs.
+
+    python -m benchmarks.epilogue_sass [--activation silu gelu_tanh] [--warp-specialize]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from benchmarks.epilogue_cost import SIGMOIDS, load_variant
+from swiglu_patch.kernels import gated_gemm_tma as shipped_tma
+from swiglu_patch.kernels.activations import ACTIVATION_CODES
+
+SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "b_ptr": "*bf16", "ws_ptr": "*bf16",
+             "cnt_ptr": "*bf16", "M": "i32", "I": "i32", "K": "i32", "dp_tiles": "i32", "stride_xm": "i32",
+             "stride_wn": "i32", "stride_om": "i32"}
+
+
+def compile_sass(kernel, activation: int, warp_specialize: bool = True) -> list[str]:
+    """SASS instruction lines (opcode and operands) of the shipped prefill tile, sm_90."""
+    const = dict(HAS_BIAS=False, ACTIVATION=activation, GATE_UP_BLOCK=16, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128,
+                 BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_PROGRAMS=132, WARP_SPECIALIZE=warp_specialize, FLATTEN=True,
+                 STREAM_K=False, TAIL_SPLIT=1)
+    sig = dict(SIGNATURE) | {k: "constexpr" for k in const}
+    names = list(sig)
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 8, "num_stages": 4})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        Path(cubin).write_bytes(compiled.asm["cubin"])
+        text = subprocess.run([str(cuobjdump), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    lines = []
+    for line in text.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", line)
+        if m:
+            lines.append(m.group(1).strip())
+    return lines
+
+
+def epilogue_counts(sass: list[str]) -> dict:
+    """Instructions and MUFU ops from the first tile's last wgmma wait to its TMA store."""
+    start = next(i for i, s in enumerate(sass) if s.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    end = next(i for i in range(start, len(sass)) if "UTMASTG" in sass[i])
+    body = sass[start:end]
+    mufu = sum("MUFU" in s for s in body)
+    return dict(instructions=len(body), mufu=mufu, mufu_clocks_per_tile=mufu * 256 // 16)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--activation", nargs="*", default=["silu", "gelu_tanh"])
+    ap.add_argument("--warp-specialize", action="store_true")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="epilogue_sass_"))
+    kernels = {"shipped": shipped_tma._gated_gemm_tma_devdesc_kernel}
+    for name in ("mufu", "fdiv", "newton", "none"):
+        load_variant(name, SIGMOIDS[name], tmp)
+        kernels[name] = importlib.import_module(f"_epilogue_{name}.gated_gemm_tma")._gated_gemm_tma_devdesc_kernel
+    print(f"triton {triton.__version__}, sm_90, 128x(2x128)x64 tile, 8 warps, 4 stages\n")
+    print("| sigmoid | activation | epilogue instructions per thread | MUFU per thread | MUFU clocks per tile |")
+    print("|---|---|---|---|---|")
+    for name, kernel in kernels.items():
+        for act in args.activation:
+            c = epilogue_counts(compile_sass(kernel, ACTIVATION_CODES[act]))
+            print(f"| {name} | {act} | {c['instructions']} | {c['mufu']} | {c['mufu_clocks_per_tile']} |")
+    if args.warp_specialize:
+        on, off = (compile_sass(shipped_tma._gated_gemm_tma_devdesc_kernel, 0, ws) for ws in (True, False))
+        print(f"\nwarp_specialize=True and False: {'identical' if on == off else 'different'} SASS "
+              f"({len(on)} and {len(off)} instructions)")
+
+
+if __name__ == "__main__":
+    main()
