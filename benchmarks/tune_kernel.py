@@ -197,6 +197,31 @@ def paired_variants(m: int) -> list[tuple[str, dict]]:
     return out
 
 
+# One token through `gated_gemv` (no tensor cores: the weight streamed through registers, many
+# programs per SM, as read_floor's pure read): block_n output columns (block_n // 16 gate/up
+# blocks) and block_k inputs per step, num_warps.
+GEMV_CONFIGS = [
+    GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 16, 512, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 16, 1024, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 32, 128, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 32, 256, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 32, 512, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 32, 1024, num_warps=8, num_stages=1),
+    GatedGemmConfig(1, 64, 256, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 64, 512, num_warps=8, num_stages=1),
+]
+
+
+def gemv_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """At M = 1: the pointer config gated_gemm ships for this GPU and shape against the GEMV's tiles."""
+    shipped = default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)
+    out = [(f"ptr {shipped}", dict(kernel="pointer", config=shipped))]
+    if m == 1:
+        out += [(f"gemv {c}", dict(kernel="gemv", config=c)) for c in GEMV_CONFIGS]
+    return out
+
+
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
     """At M <= 16: the pointer config gated_gemm ships for this GPU and shape, the pointer
     kernel's decode candidates, long-K and low-stage tiles, and the persistent TMA kernel's
@@ -235,12 +260,13 @@ def main() -> None:
                     help="sweep the tensor-parallel shard shapes (benchmarks.shapes.TP_SHARD_SHAPES) instead")
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "decode"], default="all",
+    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv"], help="variant label prefixes to time")
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "decode", "gemv"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
                          "midocc: low-footprint pointer tiles at 17 <= M <= 64; "
                          "paired: TMA tiles with two persistent programs per SM; "
+                         "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--with-liger", action="store_true",
@@ -270,7 +296,8 @@ def main() -> None:
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
             pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
                         paired=paired_variants,
-                        decode=lambda m: decode_variants(m, k, i, dtype))[args.variants]
+                        decode=lambda m: decode_variants(m, k, i, dtype),
+                        gemv=lambda m: gemv_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue

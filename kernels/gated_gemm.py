@@ -308,6 +308,18 @@ def _tma():
     return gated_gemm_tma
 
 
+@lru_cache(maxsize=1)
+def _gemv():
+    """The one-token GEMV kernel's module, imported once (it imports this one)."""
+    from . import gated_gemv
+
+    return gated_gemv
+
+
+# The GEMV's config when a call names kernel="gemv" without one (block_m, num_stages unused).
+GEMV_DEFAULT = GatedGemmConfig(1, 32, 512, num_warps=4, num_stages=1)
+
+
 def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> bool:
     if x.shape[0] < TMA_MIN_M or not x.is_cuda or not _is_hopper_or_newer(x.device.index or 0):
         return False
@@ -356,8 +368,9 @@ def gated_gemm(
         bias: optional [2*I] interleaved bias, x's dtype.
         out: optional [M, I] output to write (any strides); allocated if None.
         config: launch config; if None, `default_config` for M's bucket, I, K and x's GPU.
-        kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill)
-            or "auto": TMA for M >= TMA_MIN_M where `tma_supported`, else pointer.
+        kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill),
+            "gemv" (`gated_gemv`, M = 1 and I % 16 == 0) or "auto": TMA for M >= TMA_MIN_M
+            where `tma_supported`, else pointer.
 
     Returns:
         out, [M, I] in x's dtype.
@@ -370,6 +383,11 @@ def gated_gemm(
     if m == 0:
         return out
     code = ACTIVATION_CODES[activation]
+    if kernel == "gemv":
+        if not _gemv().gemv_supported(x, packed):
+            raise ValueError(f"gated_gemm: kernel='gemv' needs M == 1 and I % {GATE_UP_BLOCK} == 0, "
+                             f"got M={m}, I={i}; use kernel='auto'")
+        return _gemv().gated_gemv(x, packed, code, bias, out, config or GEMV_DEFAULT)
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)

@@ -1,0 +1,100 @@
+"""Fused gated GEMV for one token: the weight streamed through registers, no tensor cores.
+
+Computes `gated_gemm`'s function (see its docstring for the layout, dtypes and rounding) for
+M = 1, organised like a pure read of the weight rather than like a GEMM:
+
+- program p owns BLOCKS whole gate/up blocks of the packed weight [2*I, K]: packed rows
+  32*BLOCKS*p .. +32*BLOCKS, i.e. output columns 16*BLOCKS*p .. +16*BLOCKS, gate and up rows
+  side by side as the layout stores them;
+- per K step it loads a [32*BLOCKS, BLOCK_SIZE_K] tile of those rows (16-byte loads along K)
+  and the matching BLOCK_SIZE_K inputs, multiplies in fp32 and reduces each row into one fp32
+  partial sum, so a program holds only the tile in flight and one number per row;
+- the epilogue splits the row sums into gate and up (a register view, as the TMA kernel's),
+  adds the bias, applies act(gate) * up in fp32 and rounds once to x's dtype.
+
+Nothing goes through shared memory, so a program needs few registers and many share an SM:
+like `benchmarks/read_floor.py`'s pure read, the hardware keeps enough bytes in flight by
+occupancy and balances the SMs to the end of the call with many small programs, where the
+tensor-core kernel holds one 1 MB program per SM and drains unevenly
+(`benchmarks/decode_timeline.py`).
+
+Needs I % 16 == 0 (whole blocks: every real model) and a 16-bit or fp32 dtype; any strides.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .gated_gemm import GatedGemmConfig, _apply_activation
+from .layout import GATE_UP_BLOCK
+
+
+@triton.jit
+def _gated_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    I, K,
+    stride_xk, stride_wn, stride_wk, stride_oi,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    ROWS: tl.constexpr = BLOCKS * 2 * GATE_UP_BLOCK
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # packed rows of this program
+    mask_r = rows < 2 * I
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [ROWS, BLOCK_SIZE_K]
+    x_ptrs = x_ptr + offs_k * stride_xk
+    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
+        mask_k = offs_k < K - k * BLOCK_SIZE_K
+        xk = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * xk[None, :], axis=1)
+        w_ptrs += BLOCK_SIZE_K * stride_wk
+        x_ptrs += BLOCK_SIZE_K * stride_xk
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=mask_r, other=0.0).to(tl.float32)
+    # rows are [block, gate/up, 16]: move gate/up last and split it off
+    acc = tl.permute(tl.reshape(acc, (BLOCKS, 2, GATE_UP_BLOCK)), (0, 2, 1))
+    gate, up = tl.split(tl.reshape(acc, (BLOCKS * GATE_UP_BLOCK, 2)))  # [BLOCKS * 16] each
+    h = _apply_activation(gate, ACTIVATION) * up
+    offs_i = tl.program_id(0) * (BLOCKS * GATE_UP_BLOCK) + tl.arange(0, BLOCKS * GATE_UP_BLOCK)
+    tl.store(out_ptr + offs_i * stride_oi, h.to(out_ptr.dtype.element_ty), mask=offs_i < I)
+
+
+def gemv_supported(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `gated_gemv` can run this call: one token, whole gate/up blocks."""
+    return x.shape[0] == 1 and (packed.shape[0] // 2) % GATE_UP_BLOCK == 0
+
+
+def gated_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    activation_code: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: GatedGemmConfig,
+) -> torch.Tensor:
+    """Launch the GEMV; arguments as `gated_gemm`'s, already checked by `gemv_supported`.
+
+    config: block_n output columns per program (a multiple of 16: block_n // 16 gate/up
+    blocks), block_k inputs per step, num_warps; block_m and num_stages are ignored.
+    """
+    i = packed.shape[0] // 2
+    k = x.shape[1]
+    if config.block_n % GATE_UP_BLOCK:
+        raise ValueError(f"gated_gemv: block_n {config.block_n} is not a multiple of {GATE_UP_BLOCK}")
+    grid = (triton.cdiv(i, config.block_n),)
+    _gated_gemv_kernel[grid](
+        x, packed, bias if bias is not None else packed, out,
+        i, k,
+        x.stride(1), packed.stride(0), packed.stride(1), out.stride(1),
+        HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
+        BLOCKS=config.block_n // GATE_UP_BLOCK, BLOCK_SIZE_K=config.block_k,
+        num_warps=config.num_warps, num_stages=1,
+    )
+    return out

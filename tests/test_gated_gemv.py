@@ -1,0 +1,53 @@
+"""The one-token GEMV (`kernels/gated_gemv.py`) against float64: Triton's interpreter on CPU,
+the real kernel on a GPU. Outputs start as NaN, so an unwritten column fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from swiglu_patch import pack_gate_up
+from swiglu_patch.kernels.gated_gemm import GatedGemmConfig, gated_gemm
+from test_gated_linear import DEVICE, KERNEL_DTYPES, check, make_case
+
+# (K, I, block_n, block_k): K no multiple of block_k, I no multiple of block_n, one block only
+CASES = [(72, 48, 32, 32), (100, 96, 64, 64), (64, 16, 32, 16), (130, 80, 16, 128)]
+
+
+@pytest.mark.parametrize("k,i,block_n,block_k", CASES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_float64(k, i, block_n, block_k, dtype, act, bias):
+    x, gate, up, bg, bu = make_case(1, k, i, dtype, bias)
+    out = torch.full((1, i), float("nan"), dtype=dtype, device=DEVICE)
+    cfg = GatedGemmConfig(1, block_n, block_k, num_warps=4, num_stages=1)
+    gated_gemm(x, pack_gate_up(gate, up), act, pack_gate_up(bg, bu) if bias else None, out=out, config=cfg,
+               kernel="gemv")
+    check(out, x, gate, up, bg, bu, act)
+
+
+def test_gemv_strided_input_weight_and_output():
+    dtype = torch.float16
+    x_full, gate, up, _, _ = make_case(1, 2 * 96, 64, dtype, bias=False)
+    x = x_full[:, ::2]  # [1, 96], stride 2 along K
+    packed_full = torch.cat([pack_gate_up(gate[:, ::2], up[:, ::2])] * 2, dim=1)  # [128, 192]
+    packed = packed_full[:, :96]  # row stride 192
+    out_full = torch.full((1, 2 * 64), float("nan"), dtype=dtype, device=DEVICE)
+    out = out_full[:, ::2]
+    assert not (x.is_contiguous() or packed.is_contiguous() or out.is_contiguous())
+    gated_gemm(x, packed, "silu", out=out, config=GatedGemmConfig(1, 32, 32, num_warps=4), kernel="gemv")
+    check(out, x, gate[:, ::2].contiguous(), up[:, ::2].contiguous(), None, None, "silu")
+    assert out_full[:, 1::2].isnan().all()  # nothing written between the output's columns
+
+
+def test_gemv_refuses_what_it_cannot_run():
+    x, gate, up, _, _ = make_case(2, 32, 32, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="M == 1.*kernel='auto'"):
+        gated_gemm(x, pack_gate_up(gate, up), kernel="gemv")
+    x, gate, up, _, _ = make_case(1, 32, 40, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="I % 16 == 0"):
+        gated_gemm(x, pack_gate_up(gate, up), kernel="gemv")
+    x, gate, up, _, _ = make_case(1, 32, 32, torch.float32, bias=False)
+    with pytest.raises(ValueError, match="block_n 24 is not a multiple of 16"):
+        gated_gemm(x, pack_gate_up(gate, up), config=GatedGemmConfig(1, 24, 32), kernel="gemv")
