@@ -200,16 +200,16 @@ def paired_variants(m: int) -> list[tuple[str, dict]]:
 # One token through `gated_gemv` (no tensor cores: the weight streamed through registers, many
 # programs per SM, as read_floor's pure read): block_n output columns (block_n // 16 gate/up
 # blocks) and block_k inputs per step, num_warps.
-GEMV_CONFIGS = [
+GEMV_CONFIGS = [  # all at <= 128 registers per thread (sm_90, Triton 3.6): 2-6 programs per SM
+    GatedGemmConfig(1, 16, 128, num_warps=4, num_stages=1),
     GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 16, 512, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 16, 1024, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 16, 128, num_warps=2, num_stages=1),
+    GatedGemmConfig(1, 16, 512, num_warps=8, num_stages=1),
+    GatedGemmConfig(1, 32, 64, num_warps=4, num_stages=1),
     GatedGemmConfig(1, 32, 128, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 32, 256, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 32, 512, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 32, 1024, num_warps=8, num_stages=1),
-    GatedGemmConfig(1, 64, 256, num_warps=4, num_stages=1),
-    GatedGemmConfig(1, 64, 512, num_warps=8, num_stages=1),
+    GatedGemmConfig(1, 32, 256, num_warps=8, num_stages=1),
+    GatedGemmConfig(1, 64, 64, num_warps=4, num_stages=1),
+    GatedGemmConfig(1, 64, 128, num_warps=8, num_stages=1),
 ]
 
 

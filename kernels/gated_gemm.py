@@ -317,7 +317,7 @@ def _gemv():
 
 
 # The GEMV's config when a call names kernel="gemv" without one (block_m, num_stages unused).
-GEMV_DEFAULT = GatedGemmConfig(1, 32, 512, num_warps=4, num_stages=1)
+GEMV_DEFAULT = GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1)
 
 
 def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> bool:

@@ -7,8 +7,8 @@ M = 1, organised like a pure read of the weight rather than like a GEMM:
   32*BLOCKS*p .. +32*BLOCKS, i.e. output columns 16*BLOCKS*p .. +16*BLOCKS, gate and up rows
   side by side as the layout stores them;
 - per K step it loads a [32*BLOCKS, BLOCK_SIZE_K] tile of those rows (16-byte loads along K)
-  and the matching BLOCK_SIZE_K inputs, multiplies in fp32 and reduces each row into one fp32
-  partial sum, so a program holds only the tile in flight and one number per row;
+  and the matching BLOCK_SIZE_K inputs and accumulates their products in an fp32 tile of the
+  same shape, reduced over K once after the loop (no cross-thread reduction per step);
 - the epilogue splits the row sums into gate and up (a register view, as the TMA kernel's),
   adds the bias, applies act(gate) * up in fp32 and rounds once to x's dtype.
 
@@ -48,14 +48,15 @@ def _gated_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [ROWS, BLOCK_SIZE_K]
     x_ptrs = x_ptr + offs_k * stride_xk
-    acc = tl.zeros((ROWS,), dtype=tl.float32)
+    acc2d = tl.zeros((ROWS, BLOCK_SIZE_K), dtype=tl.float32)  # reduced over K once, after the loop
     for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
         mask_k = offs_k < K - k * BLOCK_SIZE_K
         xk = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * xk[None, :], axis=1)
+        acc2d += w * xk[None, :]
         w_ptrs += BLOCK_SIZE_K * stride_wk
         x_ptrs += BLOCK_SIZE_K * stride_xk
+    acc = tl.sum(acc2d, axis=1)  # [ROWS]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=mask_r, other=0.0).to(tl.float32)
     # rows are [block, gate/up, 16]: move gate/up last and split it off
