@@ -2,8 +2,8 @@
 
 `read_floor.py` found ours 5-6 µs slower than a kernel that only reads the same weight bytes,
 on the 7-9B shapes at M = 1. This script looks inside one call of each. A copy of the pointer
-kernel (`_gated_gemm_fwd_kernel`, the shipped decode config for the GPU and shape) and of the
-pure-read kernel record, per program, `%globaltimer` when the program starts and after its
+kernel (`_gated_gemm_fwd_kernel` with the pointer tile the GPU and shape get at M <= 16; where a
+rule runs the one-token GEMV instead, that is not traced) and of the pure-read kernel record, per program, `%globaltimer` when the program starts and after its
 last store, and `%smid`. From those (one call after a read-only L2 flush, the median-span of
 `--calls` calls):
 
@@ -197,6 +197,8 @@ def main() -> None:
         nbytes = packed.numel() * packed.element_size()
         x = torch.randn(1, k, device="cuda").to(dtype)
         cfg = shipped_module.default_config(1, dtype, i, dev, k)
+        if cfg.block_m == 1:  # a rule runs the GEMV at M = 1: trace the pointer tile of M <= 16
+            cfg = shipped_module.default_config(16, dtype, i, dev, k)
         grid = (triton.cdiv(1, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
         out = torch.empty(1, i, device="cuda", dtype=dtype)
         trace = torch.zeros(grid[0], 3, device="cuda", dtype=torch.int64)
@@ -207,11 +209,11 @@ def main() -> None:
                 x, packed, packed, out, trace, 1, i, k, x.stride(0), x.stride(1),
                 packed.stride(0), packed.stride(1), out.stride(0), out.stride(1), **meta)
 
-        fns = {"ours": lambda: shipped_module.gated_gemm(x, packed, shape.activation, out=out),
+        fns = {"ours": lambda: shipped_module.gated_gemm(x, packed, shape.activation, out=out, config=cfg),
                "ours traced": ours_traced}
         traces = {"ours traced": trace}
         ours_traced()
-        ref = shipped_module.gated_gemm(x, packed, shape.activation)
+        ref = shipped_module.gated_gemm(x, packed, shape.activation, config=cfg)
         torch.cuda.synchronize()
         if not torch.equal(out, ref):
             raise RuntimeError(f"decode_timeline: the traced kernel's output differs from the shipped one ({shape.name})")

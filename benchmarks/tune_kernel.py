@@ -214,11 +214,15 @@ GEMV_CONFIGS = [  # all at <= 128 registers per thread (sm_90, Triton 3.6): 2-6 
 
 
 def gemv_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
-    """At M = 1: the pointer config gated_gemm ships for this GPU and shape against the GEMV's tiles."""
-    shipped = default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)
-    out = [(f"ptr {shipped}", dict(kernel="pointer", config=shipped))]
+    """At M = 1: the pointer tile of this GPU and shape's M <= 16 rules against the GEMV's tiles
+    (the shipped one first where a rule picks the GEMV)."""
+    dev = torch.cuda.current_device()
+    shipped = default_config(m_bucket(m), dtype, i, dev, k)
+    table = default_config(16, dtype, i, dev, k)  # the pointer tile the M <= 16 rules give
+    out = [(f"ptr {table}", dict(kernel="pointer", config=table))]
     if m == 1:
-        out += [(f"gemv {c}", dict(kernel="gemv", config=c)) for c in GEMV_CONFIGS]
+        out += [(f"gemv {c}", dict(kernel="gemv", config=c)) for c in dict.fromkeys([shipped, *GEMV_CONFIGS])
+                if c.block_m == 1]
     return out
 
 
@@ -228,6 +232,8 @@ def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[st
     small-M tiles. (Split-K tiles, swept at 9e1a3ea, were removed with the kernel's split-K.)"""
     dev = torch.cuda.current_device()
     shipped = default_config(m_bucket(m), dtype, i, dev, k)
+    if shipped.block_m == 1:  # the GEMV's rule at M = 1: compare the pointer tiles with the one at M = 16
+        shipped = default_config(16, dtype, i, dev, k)
     ptr = dict.fromkeys([shipped] + [c for c in CANDIDATE_CONFIGS if c.block_m == 16 and c.block_n >= 32]
                         + DECODE_LONG_K_CONFIGS + DECODE_OCCUPANCY_CONFIGS)
     return [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in ptr] + \

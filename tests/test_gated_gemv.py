@@ -51,3 +51,23 @@ def test_gemv_refuses_what_it_cannot_run():
     x, gate, up, _, _ = make_case(1, 32, 32, torch.float32, bias=False)
     with pytest.raises(ValueError, match="block_n 24 is not a multiple of 16"):
         gated_gemm(x, pack_gate_up(gate, up), config=GatedGemmConfig(1, 24, 32), kernel="gemv")
+
+
+def test_a_gemv_config_routes_one_token_to_the_gemv_and_more_to_the_pointer_kernel(monkeypatch):
+    """kernel='auto' with a block_m == 1 config (what the M = 1 shape rule returns): M = 1 with
+    whole blocks runs the GEMV; more tokens, or a partial block, fall back to the pointer
+    kernel's table config; kernel='pointer' refuses it."""
+    from swiglu_patch.kernels import gated_gemm as gg
+
+    cfg = GatedGemmConfig(1, 32, 32, num_warps=4, num_stages=1)
+    ran = []
+    real = gg._gemv().gated_gemv
+    monkeypatch.setattr(gg._gemv(), "gated_gemv", lambda *a: ran.append(1) or real(*a))
+    for m, i, via_gemv in [(1, 48, True), (3, 48, False), (1, 40, False)]:
+        x, gate, up, _, _ = make_case(m, 64, i, torch.float16, bias=False)
+        out = gated_gemm(x, pack_gate_up(gate, up), "silu", config=cfg)
+        check(out, x, gate, up, None, None, "silu")
+        assert bool(ran) == via_gemv, (m, i)
+        ran.clear()
+    with pytest.raises(ValueError, match="block_m=1 is the one-token GEMV's"):
+        gated_gemm(x, pack_gate_up(gate, up), "silu", config=cfg, kernel="pointer")

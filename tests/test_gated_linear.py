@@ -104,11 +104,11 @@ def test_config_per_gpu_and_shape(monkeypatch):
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
     table, table32 = gg._for_bucket(gg._DEFAULTS, 1), gg._for_bucket(gg._DEFAULTS, 32)
-    short_k, narrow_i, mid_wide_i = (rule.config for rule in gg._SHAPE_RULES)
+    short_k, gemv_narrow_i, narrow_i, mid_wide_i = (rule.config for rule in gg._SHAPE_RULES)
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
         assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
-        assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(16, torch.bfloat16, 14336, 0, 3584) == narrow_i
+        assert pick(2, torch.bfloat16, 14336, 0, 4096) == pick(16, torch.bfloat16, 14336, 0, 3584) == narrow_i
         assert pick(1, torch.bfloat16, 18944, 0, 3584) == table  # Qwen2.5-7B: wider I than the rule covers
         assert pick(1, torch.bfloat16, 28672, 0, 8192) == table  # Llama-3-70B
         assert pick(1, torch.bfloat16, 7168, 0, 8192) == narrow_i  # Llama-3-70B, 1 of 4 GPUs
@@ -117,10 +117,14 @@ def test_config_per_gpu_and_shape(monkeypatch):
         assert pick(32, torch.bfloat16, 36864, 0, 4608) == table32  # Gemma-2-27B: K above the rule's
         assert pick(64, torch.bfloat16, 18944, 0, 3584) == gg._for_bucket(gg._DEFAULTS, 64)
         assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
-        assert pick(1, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
-    # Qwen2.5-7B at 17 <= M <= 32: measured on the H100 only
-    assert pick(32, torch.bfloat16, 18944, 0, 3584) == table32  # (the H200 is patched in last)
+        assert pick(2, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
+    # measured on the H100 only (the H200 is patched in last): the GEMV at M = 1 on Llama-3-8B and
+    # Gemma-2-9B, Qwen2.5-7B's tile at 17 <= M <= 32
+    assert pick(1, torch.bfloat16, 14336, 0, 4096) == narrow_i
+    assert pick(32, torch.bfloat16, 18944, 0, 3584) == table32
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(1, torch.bfloat16, 14336, 0, 3584) == gemv_narrow_i
+    assert gemv_narrow_i.block_m == 1 and pick(2, torch.bfloat16, 14336, 0, 4096) == narrow_i
     assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
