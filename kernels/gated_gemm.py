@@ -16,9 +16,10 @@ dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
-unaligned strides) or the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M), each
-with a fixed config per M bucket (at M <= 32 also per GPU and shape, `_SHAPE_RULES`) measured
-by `benchmarks/tune_kernel.py`.
+unaligned strides), the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M) or, where a
+shape rule says so, the one-token GEMV of `gated_gemv.py`, each with a fixed config per M
+bucket (at M <= 32 also per GPU and shape, `_SHAPE_RULES`) measured by
+`benchmarks/tune_kernel.py`.
 """
 
 from __future__ import annotations
