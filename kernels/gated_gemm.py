@@ -261,9 +261,10 @@ def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None) ->
 def default_config(
     m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None, k: int | None = None
 ) -> GatedGemmConfig:
-    """The shipped pointer-kernel config for M tokens (the hot path passes `m_bucket(M)`: one
-    cache entry per bucket), I output columns and K input features on CUDA device
-    `device_index` (None: the bucket table `_DEFAULTS`, whatever the device)."""
+    """The shipped config for M tokens (the hot path passes `m_bucket(M)`: one cache entry per
+    bucket), I output columns and K input features on CUDA device `device_index` (None: the
+    bucket table `_DEFAULTS`, whatever the device): the pointer kernel's, or the one-token
+    GEMV's where a shape rule gives a config with block_m == 1."""
     bucket = _bucket_key(_DEFAULTS, m)
     cfg = _DEFAULTS[bucket]
     if device_index is not None:
