@@ -157,6 +157,11 @@ MID_OCCUPANCY_CONFIGS = [
     GatedGemmConfig(64, 64, 64, num_warps=4, num_stages=3),
     GatedGemmConfig(64, 32, 128, num_warps=4, num_stages=3),
     GatedGemmConfig(64, 128, 64, num_warps=8, num_stages=3),
+    # 2 x 128 weight rows per tile as Liger's inference kernel, small enough for two programs per SM
+    GatedGemmConfig(64, 128, 64, num_warps=4, num_stages=2),
+    GatedGemmConfig(64, 128, 64, num_warps=8, num_stages=2),
+    GatedGemmConfig(64, 128, 32, num_warps=4, num_stages=3),
+    GatedGemmConfig(64, 128, 32, num_warps=8, num_stages=4),
 ]
 
 
@@ -325,8 +330,12 @@ def main() -> None:
             if args.with_liger and shape.activation == "silu":
                 liger = build("liger", Operands(x, stacked, gate, up, packed, shape.activation, "auto"))
                 err = rel_err_rows(liger(), x, gate, up, shape.activation, rows)
+                from liger_kernel.ops import mlp as liger_mlp
+
+                tuner = getattr(liger_mlp, "_swiglu_kernel_forward_inference", None)
                 found["liger"] = dict(shape=shape.name, m=m, bucket=m_bucket(m), config="liger", rel_err=err,
-                                      ok=math.isfinite(err) and err < 1e-2, first_call_s=float("nan"))
+                                      ok=math.isfinite(err) and err < 1e-2, first_call_s=float("nan"),
+                                      liger_config=str(getattr(tuner, "best_config", None)))
                 if found["liger"]["ok"]:
                     fns["liger"] = liger
             secs = timer.many(fns)
