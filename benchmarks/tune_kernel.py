@@ -166,8 +166,9 @@ MID_OCCUPANCY_CONFIGS = [
 
 
 def mid_occupancy_variants(m: int) -> list[tuple[str, dict]]:
-    """The shipped pointer config for m's bucket and the low-footprint pointer tiles that hold m."""
-    cfgs = dict.fromkeys([_shipped_ptr(m)] + [c for c in MID_OCCUPANCY_CONFIGS if c.block_m >= min(m, 64)])
+    """The shipped pointer config for m's bucket and every low-footprint pointer tile (32-row tiles
+    at M > 32 too: two row tiles per weight tile, as Liger's kernel picks on Qwen2.5-7B at M = 64)."""
+    cfgs = dict.fromkeys([_shipped_ptr(m)] + MID_OCCUPANCY_CONFIGS)
     return [(f"ptr {c}", dict(kernel="pointer", config=c)) for c in cfgs]
 
 
