@@ -1,6 +1,7 @@
 """Geometric-mean ratios per regime from bench_mlp results: the numbers the README quotes.
 
     python -m benchmarks.summarize_mlp benchmarks/results/mlp_raw/bf16_results.json ...
+    python -m benchmarks.summarize_mlp NEW.json ... --compare OLD.json ...   # run-to-run spread
 
 Also fits, per dtype and way, the decode time at M = 1 over the shapes as
 weight bytes / bandwidth + a fixed cost per call (least squares): how fast a way streams
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from collections import defaultdict
 
 OTHERS = ("hf_eager", "torch_compile", "liger")
@@ -66,11 +68,31 @@ def decode_fit(rows: list[dict], way: str, dtype: str) -> tuple[float, float] | 
     return (1e-6 / slope if slope > 0 else float("inf")), (sy - slope * sx) / n  # µs/byte -> TB/s
 
 
+def run_to_run(new: list[dict], old: list[dict], way: str, m_min: int = 512) -> tuple[float, float, float] | None:
+    """(median, min, max) over the rows both runs hold at M >= m_min of new time / old time of `way`."""
+    before = {(r["dtype"], r["shape"], r["M"]): r["ways"][way]["us"] for r in old
+              if r["M"] >= m_min and r["ways"].get(way, {}).get("status") == "ok"}
+    ratios = sorted(r["ways"][way]["us"] / before[(r["dtype"], r["shape"], r["M"])] for r in new
+                    if (r["dtype"], r["shape"], r["M"]) in before and r["ways"].get(way, {}).get("status") == "ok")
+    return (statistics.median(ratios), ratios[0], ratios[-1]) if ratios else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
+    ap.add_argument("--compare", nargs="+", default=None, metavar="OLD_JSON",
+                    help="an earlier run's results: print how much each way's M >= 512 rows moved between the runs")
     args = ap.parse_args()
     rows = [r for f in args.results for r in json.load(open(f))["rows"]]
+    if args.compare:
+        old = [r for f in args.compare for r in json.load(open(f))["rows"]]
+        print("| way | M >= 512 rows, this run / the earlier: median | min | max |")
+        print("|---|---|---|---|")
+        for way in ("ours", "gemm_only"):
+            moved = run_to_run(rows, old, way)
+            if moved:
+                print(f"| {way} | {moved[0]:.3f} | {moved[1]:.3f} | {moved[2]:.3f} |")
+        return
     print("| dtype | regime | shapes | rows | ours / gemm_only | ours / best other | floor / ours |")
     print("|---|---|---|---|---|---|---|")
     for s in summarize(rows):

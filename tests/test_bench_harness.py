@@ -373,3 +373,18 @@ def test_read_floor_kernel_reads_every_element_once(n, block):
     fn()
     assert sums.numel() == -(-n // block) and torch.isfinite(sums).all()
     assert math.isclose(sums.double().sum().item(), w.double().sum().item(), rel_tol=1e-5, abs_tol=1e-3)
+
+
+def test_run_to_run_spread_by_hand():
+    """summarize_mlp --compare: per-way ratios of the rows two runs share at M >= 512."""
+    from benchmarks.summarize_mlp import run_to_run
+
+    def row(m, ours, gemm, shape="a"):
+        return {"dtype": "bfloat16", "shape": shape, "M": m,
+                "ways": {"ours": {"status": "ok", "us": ours}, "gemm_only": {"status": "ok", "us": gemm}}}
+
+    old = [row(512, 10.0, 10.0), row(1024, 20.0, 20.0), row(16, 5.0, 5.0), row(2048, 1.0, 1.0, shape="gone")]
+    new = [row(512, 11.0, 10.0), row(1024, 19.0, 20.0), row(16, 50.0, 5.0)]
+    assert run_to_run(new, old, "ours") == pytest.approx((1.0, 0.95, 1.1))
+    assert run_to_run(new, old, "gemm_only") == pytest.approx((1.0, 1.0, 1.0))
+    assert run_to_run(new, [], "ours") is None
