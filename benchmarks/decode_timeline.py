@@ -51,23 +51,8 @@ from swiglu_patch.kernels.activations import ACTIVATION_CODES
 DEFAULT_SHAPES = ["llama-3.2-1b", "llama-3-8b", "qwen2.5-7b", "gemma-2-9b"]
 READ_BLOCKS = [(8192, 4), (16384, 8)]  # (elements per program, warps) of the pure read
 
-_HELPERS = '''
-
-@triton.jit
-def _globaltimer():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-
-@triton.jit
-def _trace(trace_ptr, t_begin):
-    """trace[pid] = (start ns, end ns, SM id) of this program."""
-    t_end = _globaltimer()
-    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-    pid = tl.program_id(0)
-    tl.store(trace_ptr + pid * 3, t_begin)
-    tl.store(trace_ptr + pid * 3 + 1, t_end)
-    tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
-'''
+# appended to the copy of kernels/gated_gemm.py: its pointer kernel calls the helpers below
+_HELPERS = "\nfrom benchmarks.decode_timeline import _globaltimer, _trace  # noqa: E402\n"
 # (anchor in kernels/gated_gemm.py, replacement): a trace argument, a start time, the trace store
 _EDITS = [
     ("    x_ptr, w_ptr, b_ptr, out_ptr,\n    M, I, K,", "    x_ptr, w_ptr, b_ptr, out_ptr, trace_ptr,\n    M, I, K,"),
@@ -98,22 +83,31 @@ def traced_pointer_module(root: Path):
 
 
 @triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _trace(trace_ptr, t_begin):
+    """trace[pid] = (start ns, end ns, SM id) of this program."""
+    t_end = _globaltimer()
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+    pid = tl.program_id(0)
+    tl.store(trace_ptr + pid * 3, t_begin)
+    tl.store(trace_ptr + pid * 3 + 1, t_end)
+    tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+
+
+@triton.jit
 def _read_traced_kernel(src_ptr, out_ptr, trace_ptr, n, TRACE: tl.constexpr, BLOCK: tl.constexpr):
     """out[pid] = fp32 sum of src[pid * BLOCK : (pid + 1) * BLOCK]; with TRACE, trace[pid] as above."""
     if TRACE:
-        t_begin = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                            is_pure=False, pack=1)
+        t_begin = _globaltimer()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(src_ptr + offs, mask=offs < n, other=0.0)
     tl.store(out_ptr + tl.program_id(0), tl.sum(v.to(tl.float32), axis=0))
     if TRACE:
-        t_end = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                          is_pure=False, pack=1)
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        pid = tl.program_id(0)
-        tl.store(trace_ptr + pid * 3, t_begin)
-        tl.store(trace_ptr + pid * 3 + 1, t_end)
-        tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+        _trace(trace_ptr, t_begin)
 
 
 @triton.jit
@@ -123,8 +117,7 @@ def _tile_read_kernel(w_ptr, out_ptr, trace_ptr, K, stride_wn, TRACE: tl.constex
     pid*ROWS .. +ROWS over all K in [ROWS, BLOCK_SIZE_K] steps (as the pointer kernel reads its
     gate and up rows) and stores their fp32 sum; with TRACE, trace[pid] as above."""
     if TRACE:
-        t_begin = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                            is_pure=False, pack=1)
+        t_begin = _globaltimer()
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
     ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
@@ -134,13 +127,7 @@ def _tile_read_kernel(w_ptr, out_ptr, trace_ptr, K, stride_wn, TRACE: tl.constex
         ptrs += BLOCK_SIZE_K
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
     if TRACE:
-        t_end = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                          is_pure=False, pack=1)
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        pid = tl.program_id(0)
-        tl.store(trace_ptr + pid * 3, t_begin)
-        tl.store(trace_ptr + pid * 3 + 1, t_end)
-        tl.store(trace_ptr + pid * 3 + 2, sm.to(tl.int64))
+        _trace(trace_ptr, t_begin)
 
 
 def summarize(trace: torch.Tensor, sms: int) -> dict:
