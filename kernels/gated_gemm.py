@@ -222,11 +222,13 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
     # for the next rule's tile on the H200.
     ShapeRule(("H100", "H200"), 2048, None, GatedGemmConfig(16, 32, 128, num_warps=4, num_stages=4)),
     # M = 1, 2048 < K <= 4096 and 14336 <= I <= 16384 (Llama-3-8B, Gemma-2-9B; the bounds are the
-    # shapes measured) on the H100: the GEMV, 64 output columns per program, 128-wide K steps, 8
-    # warps: 83.5 µs against 84.0 for the next rule's tile on Llama-3-8B, 73.6 against 75.1 on
-    # Gemma-2-9B (tune_gemv_h100_bf16.json). Its programs use no shared memory, so several share
-    # an SM and the call drains evenly. On the wider shapes its best tile only tied the table's.
-    ShapeRule(("H100",), 4096, 16384, GatedGemmConfig(1, 64, 128, num_warps=8, num_stages=1), i_min=14336, m_max=1),
+    # shapes measured): the GEMV, 64 output columns per program, 128-wide K steps, 8 warps. H100:
+    # 83.5 µs against 84.0 for the next rule's tile on Llama-3-8B, 73.6 against 75.1 on Gemma-2-9B
+    # (tune_gemv_h100_bf16.json); H200: 58.8 against 60.9, 51.7 against 54.1
+    # (tune_gemv_h200_bf16.json). Its programs use no shared memory, so several share an SM and
+    # the call drains evenly. On the wider shapes its best tile tied the table's on the H100.
+    ShapeRule(("H100", "H200"), 4096, 16384, GatedGemmConfig(1, 64, 128, num_warps=8, num_stages=1), i_min=14336,
+              m_max=1),
     # 4096 <= I <= 16384 (Llama-3-8B, Gemma-2-9B): 16x(2*64)x256 with 3 stages, 0.8-2.4% faster
     # than 16x(2*32)x256 on the H100 and 2-6% on the H200; 1-5% slower for wider I (Qwen2.5-7B,
     # Gemma-2-27B, Llama-3-70B), which keep `_DEFAULTS[16]`. Tensor-parallel shards
@@ -239,6 +241,10 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
     # against 1.015x at M = 24, where Liger ran at 0.958x / 0.962x. On the other five shapes
     # 2 stages lost 1-19% (H100, tune_midocc_h100_bf16.json).
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=2), i_min=16385, bucket=32),
+    # The same shapes on the H200 (tune_midocc_h200_bf16.json): 32x(2*64)x64 with 4 stages (60 KB,
+    # three programs per SM) 0.995x / 1.004x of cuBLAS at M = 24 / 32, the H100's 2-stage tile
+    # 1.012x, the table's 1.083x / 1.072x; Liger 0.972x / 0.975x.
+    ShapeRule(("H200",), 4096, None, GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=4), i_min=16385, bucket=32),
 )
 
 

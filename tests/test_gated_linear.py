@@ -104,7 +104,7 @@ def test_config_per_gpu_and_shape(monkeypatch):
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
     table, table32 = gg._for_bucket(gg._DEFAULTS, 1), gg._for_bucket(gg._DEFAULTS, 32)
-    short_k, gemv_narrow_i, narrow_i, mid_wide_i = (rule.config for rule in gg._SHAPE_RULES)
+    short_k, gemv_narrow_i, narrow_i, mid_wide_i, mid_wide_i_h200 = (rule.config for rule in gg._SHAPE_RULES)
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
         assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
@@ -118,14 +118,14 @@ def test_config_per_gpu_and_shape(monkeypatch):
         assert pick(64, torch.bfloat16, 18944, 0, 3584) == gg._for_bucket(gg._DEFAULTS, 64)
         assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
         assert pick(2, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
-    # measured on the H100 only (the H200 is patched in last): the GEMV at M = 1 on Llama-3-8B and
-    # Gemma-2-9B, Qwen2.5-7B's tile at 17 <= M <= 32
-    assert pick(1, torch.bfloat16, 14336, 0, 4096) == narrow_i
-    assert pick(32, torch.bfloat16, 18944, 0, 3584) == table32
+        # the GEMV at M = 1 on Llama-3-8B and Gemma-2-9B, not at M = 2 nor on a 70B tensor-parallel shard
+        assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(1, torch.bfloat16, 14336, 0, 3584) == gemv_narrow_i
+        assert gemv_narrow_i.block_m == 1 and pick(2, torch.bfloat16, 14336, 0, 4096) == narrow_i
+    # Qwen2.5-7B at 17 <= M <= 32: a tile per GPU (the H200 is patched in last)
+    assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i_h200
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
-    assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(1, torch.bfloat16, 14336, 0, 3584) == gemv_narrow_i
-    assert gemv_narrow_i.block_m == 1 and pick(2, torch.bfloat16, 14336, 0, 4096) == narrow_i
     assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i
+    assert mid_wide_i != mid_wide_i_h200
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
 
