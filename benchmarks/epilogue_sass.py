@@ -10,7 +10,9 @@ arithmetic instruction throughput), so 2 * 64 outputs per thread * 256 threads /
 clocks per tile for two MUFU ops per output.
 
 With --warp-specialize it also compiles the shipped tile with and without
-`warp_specialize=True` and says whether the SASS differs.
+`warp_specialize=True` and says whether the SASS differs, and compiles two tiles the way
+Triton's Hopper warp specialization can engage (4 warps, the tile loop not flattened) to show
+what it makes of them.
 
     python -m benchmarks.epilogue_sass [--activation silu gelu_tanh] [--warp-specialize]
 """
@@ -22,6 +24,7 @@ import importlib
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -38,15 +41,36 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "b_ptr": "*
              "stride_wn": "i32", "stride_om": "i32"}
 
 
-def compile_sass(kernel, activation: int, warp_specialize: bool = True) -> list[str]:
-    """SASS instruction lines (opcode and operands) of the shipped prefill tile, sm_90."""
-    const = dict(HAS_BIAS=False, ACTIVATION=activation, GATE_UP_BLOCK=16, BLOCK_SIZE_M=128, BLOCK_SIZE_N=128,
-                 BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_PROGRAMS=132, WARP_SPECIALIZE=warp_specialize, FLATTEN=True,
+def compile_tile(kernel, activation: int, warp_specialize: bool = True, block_m: int = 128, block_n: int = 128,
+                 num_warps: int = 8, flatten: bool = True):
+    """The TMA kernel compiled for sm_90 (4 stages, 64-wide K steps); the shipped prefill tile by default."""
+    const = dict(HAS_BIAS=False, ACTIVATION=activation, GATE_UP_BLOCK=16, BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
+                 BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_PROGRAMS=132, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
                  STREAM_K=False, TAIL_SPLIT=1)
     sig = dict(SIGNATURE) | {k: "constexpr" for k in const}
     names = list(sig)
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 8, "num_stages": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps, "num_stages": 4})
+
+
+def ws_probe(block_m: int, block_n: int) -> str:
+    """What Triton's Hopper warp specialization makes of the TMA kernel when it can engage (4 warps,
+    the tile loop not flattened): the number of partitions, or the compiler's failure. Compiled
+    in a subprocess: a failing pass aborts the process."""
+    code = (f"from benchmarks.epilogue_sass import compile_tile; from swiglu_patch.kernels import gated_gemm_tma as t; "
+            f"k = compile_tile(t._gated_gemm_tma_devdesc_kernel, 0, True, {block_m}, {block_n}, 4, False); "
+            f"g = k.asm['ttgir']; print('partitions', g.count('partition'), 'shared KB', k.metadata.shared // 1024)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if out.returncode == 0:
+        return out.stdout.strip().splitlines()[-1]
+    lines = [ln for ln in (out.stderr + out.stdout).splitlines() if "unsupported" in ln or "UNREACHABLE" in ln]
+    return "compile failed: " + ("; ".join(lines[:2]) or f"exit {out.returncode}")
+
+
+def compile_sass(kernel, activation: int, warp_specialize: bool = True) -> list[str]:
+    """SASS instruction lines (opcode and operands) of the shipped prefill tile, sm_90."""
+    compiled = compile_tile(kernel, activation, warp_specialize)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -90,6 +114,8 @@ def main() -> None:
         on, off = (compile_sass(shipped_tma._gated_gemm_tma_devdesc_kernel, 0, ws) for ws in (True, False))
         print(f"\nwarp_specialize=True and False: {'identical' if on == off else 'different'} SASS "
               f"({len(on)} and {len(off)} instructions)")
+        for bm, bn in ((128, 128), (64, 64)):
+            print(f"forced warp specialization (4 warps, loop not flattened), {bm}x(2x{bn}) tile: {ws_probe(bm, bn)}")
 
 
 if __name__ == "__main__":
