@@ -12,6 +12,8 @@ kernel with the sigmoid written as
 - `mufu`: `ex2.approx.ftz` and `rcp.approx.ftz` by inline PTX: no denormal fix-ups, 2 MUFU;
 - `fdiv`: `tl.exp2` and `tl.fdiv(ieee_rounding=False)` (runs in the CPU interpreter too);
 - `newton`: `ex2.approx.ftz` then a 3-step Newton reciprocal on the FMA pipe: 1 MUFU;
+- `tanh`: sigmoid(x) = 0.5 + 0.5 * tanh(x / 2) with `tanh.approx.f32`: 1 MUFU and 2 FMA-pipe
+  ops (for gelu_tanh the kernel's sigmoid(2 * inner) is then 0.5 + 0.5 * tanh(inner) itself);
 - `none`: sigmoid replaced by 0.5, so out = 0.5 * gate * up: the epilogue without an
   activation, a diagnostic that bounds what any sigmoid code can win (checked against
   0.5 * gate * up, not against the MLP).
@@ -54,6 +56,11 @@ def _ex2_ftz(x):
 
 
 @triton.jit
+def _tanh_approx(x):
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _rcp_approx(x):
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
@@ -76,6 +83,10 @@ def _sigmoid(x):
     r = r * (2.0 - y * r)
     r = r * (2.0 - y * r)
     return r
+''',
+    "tanh": _PTX + '''@triton.jit
+def _sigmoid(x):
+    return 0.5 + 0.5 * _tanh_approx(0.5 * x)
 ''',
     "none": '''@triton.jit
 def _sigmoid(x):

@@ -100,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="epilogue_sass_"))
     kernels = {"shipped": shipped_tma._gated_gemm_tma_devdesc_kernel}
-    for name in ("mufu", "fdiv", "newton", "none"):
+    for name in (n for n in SIGMOIDS if n != "shipped"):
         load_variant(name, SIGMOIDS[name], tmp)
         kernels[name] = importlib.import_module(f"_epilogue_{name}.gated_gemm_tma")._gated_gemm_tma_devdesc_kernel
     print(f"triton {triton.__version__}, sm_90, 128x(2x128)x64 tile, 8 warps, 4 stages\n")
