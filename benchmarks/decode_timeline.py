@@ -189,7 +189,7 @@ def main() -> None:
         grid = (triton.cdiv(1, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
         out = torch.empty(1, i, device="cuda", dtype=dtype)
         trace = torch.zeros(grid[0], 3, device="cuda", dtype=torch.int64)
-        meta = shipped_module._launch_meta(cfg, ACTIVATION_CODES[shape.activation], False, "tf32")
+        meta = shipped_module._launch_meta(cfg, ACTIVATION_CODES[shape.activation], True, False, "tf32")
 
         def ours_traced():
             traced._gated_gemm_fwd_kernel[grid](

@@ -2,25 +2,27 @@
 
 At prefill the TMA kernel's MMAs stop while a tile's epilogue runs (the same warps run both),
 so the activation's instructions add to every tile's time. On a 128x(2x128) tile each of
-the 256 threads of the two consumer warpgroups evaluates act(gate) * up for 64 outputs; by
-the sm_90 SASS of Triton 3.6 the shipped sigmoid (`1 / (1 + exp(-x))`) costs two MUFU ops
-per output (16 per clock per SM: 2048 clocks per tile) and about 1200 instructions per
-thread. This script times, in one interleaved run against cuBLAS (`gemm_only`), the same
-kernel with the sigmoid written as
+the 256 threads of the two consumer warpgroups evaluates act(gate) * up for 64 outputs;
+MUFU ops run 16 per clock per SM on sm_90, so two per output cost 2048 clocks per tile.
+This script times, in one interleaved run against cuBLAS (`gemm_only`), the same kernel with
+its activation written as
 
-- `shipped`: the current code;
-- `mufu`: `ex2.approx.ftz` and `rcp.approx.ftz` by inline PTX: no denormal fix-ups, 2 MUFU;
-- `fdiv`: `tl.exp2` and `tl.fdiv(ieee_rounding=False)` (runs in the CPU interpreter too);
+- `shipped`: the current code; for 16-bit inputs silu and gelu_tanh take one
+  `tanh.approx.f32` per output (g/2 + g/2 * tanh(.)): 1 MUFU, about 580 instructions per
+  thread by the sm_90 SASS of Triton 3.6 (`epilogue_sass.py`);
+- `exp`: the shipped kernel with `approx_tanh=False`: sigmoid as `1 / (1 + exp(-x))`, the
+  code shipped before 2026-11-22's session six: 2 MUFU, about 1180 instructions;
+- `mufu`: that sigmoid with `ex2.approx.ftz` and `rcp.approx.ftz` by inline PTX: no denormal
+  fix-ups, 2 MUFU;
+- `fdiv`: `tl.exp2` and `tl.fdiv(ieee_rounding=False)`;
 - `newton`: `ex2.approx.ftz` then a 3-step Newton reciprocal on the FMA pipe: 1 MUFU;
-- `tanh`: sigmoid(x) = 0.5 + 0.5 * tanh(x / 2) with `tanh.approx.f32`: 1 MUFU and 2 FMA-pipe
-  ops (for gelu_tanh the kernel's sigmoid(2 * inner) is then 0.5 + 0.5 * tanh(inner) itself);
 - `none`: sigmoid replaced by 0.5, so out = 0.5 * gate * up: the epilogue without an
-  activation, a diagnostic that bounds what any sigmoid code can win (checked against
+  activation, a diagnostic that bounds what any activation code can win (checked against
   0.5 * gate * up, not against the MLP).
 
-Each variant is a copy of the installed `kernels` package with `_sigmoid` replaced, imported
-under its own name; every non-diagnostic variant is checked against float64 on sampled rows
-before it is timed.
+`mufu`, `fdiv`, `newton` and `none` are copies of the installed `kernels` package with
+`_sigmoid` replaced, imported under their own names and run with `approx_tanh=False`; every
+way but `none` is checked against float64 on sampled rows before it is timed.
 
     python -m benchmarks.epilogue_cost --out $OUT/epilogue --commit <sha> [--shapes ...] [--tokens 512 2048 8192]
 """
@@ -56,11 +58,6 @@ def _ex2_ftz(x):
 
 
 @triton.jit
-def _tanh_approx(x):
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _rcp_approx(x):
     return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
 
@@ -83,10 +80,6 @@ def _sigmoid(x):
     r = r * (2.0 - y * r)
     r = r * (2.0 - y * r)
     return r
-''',
-    "tanh": _PTX + '''@triton.jit
-def _sigmoid(x):
-    return 0.5 + 0.5 * _tanh_approx(0.5 * x)
 ''',
     "none": '''@triton.jit
 def _sigmoid(x):
@@ -127,7 +120,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     timer = GraphTimer(warmup_ms=5, rep_ms=args.rep_ms, rounds=4)
     tmp = Path(tempfile.mkdtemp(prefix="epilogue_cost_"))
-    modules = {"shipped": shipped_module} | {v: load_variant(v, SIGMOIDS[v], tmp) for v in args.variants}
+    # way -> (gated_gemm module, approx_tanh argument)
+    ways = {"shipped": (shipped_module, None), "exp": (shipped_module, False)}
+    ways |= {v: (load_variant(v, SIGMOIDS[v], tmp), False) for v in args.variants}
     rows = []
     for shape in select_shapes(args.shapes, SHAPES):
         k, i = shape.hidden, shape.intermediate
@@ -138,9 +133,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").to(dtype)
             sample = torch.randperm(m, device="cuda")[:64]
             fns, errs = {"gemm_only": lambda: x @ stacked.T}, {}
-            for name, mod in modules.items():
+            for name, (mod, approx) in ways.items():
                 out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")
-                mod.gated_gemm(x, packed, shape.activation, out=out)
+                mod.gated_gemm(x, packed, shape.activation, out=out, approx_tanh=approx)
                 if name == "none":  # out = 0.5 * gate * up
                     xr = x[sample].double()
                     ref = 0.5 * (xr @ gate.double().T) * (xr @ up.double().T)
@@ -150,18 +145,19 @@ def main() -> None:
                 if not (math.isfinite(err) and err < 1e-2 and not out.isnan().any().item()):
                     raise RuntimeError(f"epilogue_cost: {name} on {shape.name} M={m}: rel err {err:.3g}")
                 errs[name] = err
-                fns[name] = (lambda mod=mod, out=out: mod.gated_gemm(x, packed, shape.activation, out=out))
+                fns[name] = (lambda mod=mod, out=out, approx=approx:
+                             mod.gated_gemm(x, packed, shape.activation, out=out, approx_tanh=approx))
             secs = timer.many(fns)
             row = dict(shape=shape.name, activation=shape.activation, K=k, I=i, M=m,
                        gemm_only_us=secs["gemm_only"] * 1e6,
-                       us={n: secs[n] * 1e6 for n in modules}, rel_err=errs,
-                       ratio={n: secs[n] / secs["gemm_only"] for n in modules})
+                       us={n: secs[n] * 1e6 for n in ways}, rel_err=errs,
+                       ratio={n: secs[n] / secs["gemm_only"] for n in ways})
             rows.append(row)
             print(f"{shape.name:14s} M={m:6d} gemm_only {row['gemm_only_us']:8.1f} us  "
                   + "  ".join(f"{n} {r:.3f}" for n, r in row["ratio"].items()), flush=True)
     env = environment(torch.device("cuda"), args.commit) | dict(dtype=args.dtype, timer=timer.describe())
     (args.out / f"epilogue_cost_{args.dtype}.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    names = list(modules)
+    names = list(ways)
     lines = [f"# Epilogue cost at prefill ({env['gpu']['name']}, {args.dtype}, commit {args.commit})", "",
              f"Time / cuBLAS `gemm_only` in one interleaved run; timer: {timer.describe()}", "",
              "| shape | M | gemm_only µs | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]

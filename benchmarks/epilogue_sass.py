@@ -42,9 +42,9 @@ SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "b_ptr": "*
 
 
 def compile_tile(kernel, activation: int, warp_specialize: bool = True, block_m: int = 128, block_n: int = 128,
-                 num_warps: int = 8, flatten: bool = True):
+                 num_warps: int = 8, flatten: bool = True, approx_tanh: bool = True):
     """The TMA kernel compiled for sm_90 (4 stages, 64-wide K steps); the shipped prefill tile by default."""
-    const = dict(HAS_BIAS=False, ACTIVATION=activation, GATE_UP_BLOCK=16, BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
+    const = dict(HAS_BIAS=False, ACTIVATION=activation, APPROX_TANH=approx_tanh, GATE_UP_BLOCK=16, BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n,
                  BLOCK_SIZE_K=64, GROUP_SIZE_M=8, NUM_PROGRAMS=132, WARP_SPECIALIZE=warp_specialize, FLATTEN=flatten,
                  STREAM_K=False, TAIL_SPLIT=1)
     sig = dict(SIGNATURE) | {k: "constexpr" for k in const}
@@ -68,9 +68,9 @@ def ws_probe(block_m: int, block_n: int) -> str:
     return "compile failed: " + ("; ".join(lines[:2]) or f"exit {out.returncode}")
 
 
-def compile_sass(kernel, activation: int, warp_specialize: bool = True) -> list[str]:
+def compile_sass(kernel, activation: int, warp_specialize: bool = True, approx_tanh: bool = True) -> list[str]:
     """SASS instruction lines (opcode and operands) of the shipped prefill tile, sm_90."""
-    compiled = compile_tile(kernel, activation, warp_specialize)
+    compiled = compile_tile(kernel, activation, warp_specialize, approx_tanh=approx_tanh)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "k.cubin")
@@ -99,16 +99,19 @@ def main() -> None:
     ap.add_argument("--warp-specialize", action="store_true")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="epilogue_sass_"))
-    kernels = {"shipped": shipped_tma._gated_gemm_tma_devdesc_kernel}
-    for name in (n for n in SIGMOIDS if n != "shipped"):
+    # name -> (kernel, APPROX_TANH): the shipped 16-bit epilogue, then the exp sigmoid and its variants
+    kernels = {"shipped": (shipped_tma._gated_gemm_tma_devdesc_kernel, True),
+               "exp": (shipped_tma._gated_gemm_tma_devdesc_kernel, False)}
+    for name in SIGMOIDS:
         load_variant(name, SIGMOIDS[name], tmp)
-        kernels[name] = importlib.import_module(f"_epilogue_{name}.gated_gemm_tma")._gated_gemm_tma_devdesc_kernel
+        kernels[name] = (importlib.import_module(f"_epilogue_{name}.gated_gemm_tma")._gated_gemm_tma_devdesc_kernel,
+                         False)
     print(f"triton {triton.__version__}, sm_90, 128x(2x128)x64 tile, 8 warps, 4 stages\n")
     print("| sigmoid | activation | epilogue instructions per thread | MUFU per thread | MUFU clocks per tile |")
     print("|---|---|---|---|---|")
-    for name, kernel in kernels.items():
+    for name, (kernel, approx) in kernels.items():
         for act in args.activation:
-            c = epilogue_counts(compile_sass(kernel, ACTIVATION_CODES[act]))
+            c = epilogue_counts(compile_sass(kernel, ACTIVATION_CODES[act], approx_tanh=approx))
             print(f"| {name} | {act} | {c['instructions']} | {c['mufu']} | {c['mufu_clocks_per_tile']} |")
     if args.warp_specialize:
         on, off = (compile_sass(shipped_tma._gated_gemm_tma_devdesc_kernel, 0, ws) for ws in (True, False))

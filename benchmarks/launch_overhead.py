@@ -38,13 +38,13 @@ def ways(x, packed, out):
         "cublas x @ W.T": lambda: x @ packed.T,
         "gated_gemm pointer": lambda: gated_gemm(x, packed, "silu", out=out, config=ptr_cfg, kernel="pointer"),
         "gated_gemm_tma host descriptors": lambda: gated_gemm_tma(
-            x, packed, silu, None, out, tma_cfg, device_descriptors=False
+            x, packed, silu, True, None, out, tma_cfg, device_descriptors=False
         ),
         "gated_gemm_tma device descriptors": lambda: gated_gemm_tma(
-            x, packed, silu, None, out, tma_cfg, device_descriptors=True
+            x, packed, silu, True, None, out, tma_cfg, device_descriptors=True
         ),
         "gated_gemm_tma device descriptors, no ws": lambda: gated_gemm_tma(
-            x, packed, silu, None, out, dataclasses.replace(tma_cfg, warp_specialize=False), device_descriptors=True
+            x, packed, silu, True, None, out, dataclasses.replace(tma_cfg, warp_specialize=False), device_descriptors=True
         ),
         "gated_gemm auto (allocates out)": lambda: gated_gemm(x, packed, "silu"),
         "gated_linear (auto)": lambda: gated_linear(x, packed, "silu"),

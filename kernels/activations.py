@@ -5,7 +5,9 @@
   ``gelu_pytorch_tanh``; HF ``gelu_new`` is the same formula).
 - ``gelu``: 0.5 * g * (1 + erf(g / sqrt(2))), exact (HF ``gelu``).
 
-The Triton kernel evaluates the same formulas in fp32 on its accumulators.
+The Triton kernel evaluates the same formulas in fp32 on its accumulators; for bf16/fp16
+inputs on the GPU it takes silu and gelu_tanh's tanh from `tanh.approx.f32` (error at most
+2^-11 of tanh, below a 16-bit output's rounding; `gated_gemm.default_approx_tanh`).
 """
 
 from __future__ import annotations

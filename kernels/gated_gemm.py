@@ -10,7 +10,8 @@ BLOCK_SIZE_N gate rows and the BLOCK_SIZE_N matching up rows of the packed weigh
 indices computed from the layout, so any I works, block-aligned or not), runs two fp32
 accumulators over K, adds the bias in fp32, applies the activation to the gate accumulator
 in fp32, multiplies by the up accumulator and rounds once to x's dtype on the single store
-of [M, I]. The [M, 2*I] pre-activation never reaches memory.
+of [M, I]. The [M, 2*I] pre-activation never reaches memory. For bf16/fp16 on the GPU, silu
+and gelu_tanh use the MUFU's `tanh.approx.f32` (`_apply_activation`).
 
 dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 dots use
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
@@ -42,13 +43,34 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _apply_activation(gate, ACTIVATION: tl.constexpr):
-    """act(gate) in fp32; codes follow `activations.ACTIVATION_CODES`."""
-    if ACTIVATION == 0:  # silu
-        out = gate * _sigmoid(gate)
-    elif ACTIVATION == 1:  # gelu_tanh, tanh(z) = 2 * sigmoid(2z) - 1
+def _tanh_approx(x):
+    """tanh(x) in one MUFU op: PTX `tanh.approx.f32` (sm_75+, max relative error 2^-11)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _apply_activation(gate, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """act(gate) in fp32; codes follow `activations.ACTIVATION_CODES`.
+
+    With APPROX_TANH (16-bit inputs on the GPU, see `gated_gemm`) silu and gelu_tanh take
+    one `tanh.approx.f32` per output, g/2 + g/2 * tanh(.), instead of exp and a reciprocal:
+    one MUFU op instead of two (the MUFU pipe bounds the prefill epilogue,
+    benchmarks/results/epilogue/). Its error, at most 2^-11 of tanh, is below the rounding
+    of a 16-bit output.
+    """
+    if ACTIVATION == 0:  # silu: g * sigmoid(g) = g/2 + g/2 * tanh(g/2)
+        if APPROX_TANH:
+            half = 0.5 * gate
+            out = half + half * _tanh_approx(half)
+        else:
+            out = gate * _sigmoid(gate)
+    elif ACTIVATION == 1:  # gelu_tanh: g/2 * (1 + tanh(inner)); tanh(z) = 2 * sigmoid(2z) - 1
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        out = gate * _sigmoid(2.0 * inner)  # 0.5 * g * (1 + tanh(inner))
+        if APPROX_TANH:
+            half = 0.5 * gate
+            out = half + half * _tanh_approx(inner)
+        else:
+            out = gate * _sigmoid(2.0 * inner)
     else:  # gelu (erf)
         out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     return out
@@ -75,6 +97,7 @@ def _gated_gemm_fwd_kernel(
     stride_om, stride_oi,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
@@ -119,7 +142,7 @@ def _gated_gemm_fwd_kernel(
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
-    h = _apply_activation(acc_gate, ACTIVATION) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
+    h = _apply_activation(acc_gate, ACTIVATION, APPROX_TANH) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
 
@@ -351,6 +374,13 @@ def interpreting() -> bool:
     return type(_gated_gemm_fwd_kernel).__name__ == "InterpretedFunction"
 
 
+def default_approx_tanh(x: torch.Tensor) -> bool:
+    """Whether `gated_gemm` evaluates the activation with `tanh.approx.f32` by default: for
+    bf16/fp16 x on the GPU. Its error (at most 2^-11 of tanh) is below a 16-bit output's
+    rounding; fp32 keeps exp and a reciprocal, and the CPU interpreter runs no inline PTX."""
+    return x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not interpreting()
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     if dtype is not torch.float32:
         return "tf32"  # ignored by tl.dot for 16-bit operands
@@ -358,10 +388,11 @@ def _input_precision(dtype: torch.dtype) -> str:
 
 
 @lru_cache(maxsize=256)
-def _launch_meta(cfg: GatedGemmConfig, code: int, has_bias: bool, precision: str) -> dict:
+def _launch_meta(cfg: GatedGemmConfig, code: int, approx_tanh: bool, has_bias: bool, precision: str) -> dict:
     """The pointer kernel's constexpr and launch keywords (built once per combination)."""
     return dict(
-        HAS_BIAS=has_bias, ACTIVATION=code, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(),
+        HAS_BIAS=has_bias, ACTIVATION=code, APPROX_TANH=approx_tanh, INPUT_PRECISION=precision,
+        GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -374,6 +405,7 @@ def gated_gemm(
     out: torch.Tensor | None = None,
     config: GatedGemmConfig | None = None,
     kernel: str = "auto",
+    approx_tanh: bool | None = None,
 ) -> torch.Tensor:
     """Launch the fused gated GEMM on 2-D x.
 
@@ -387,6 +419,9 @@ def gated_gemm(
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill),
             "gemv" (`gated_gemv`, M = 1 and I % 16 == 0) or "auto": TMA for M >= TMA_MIN_M
             where `tma_supported`, else pointer.
+        approx_tanh: evaluate silu and gelu_tanh with PTX `tanh.approx.f32` (see
+            `_apply_activation`); None (default): `default_approx_tanh(x)`, i.e. for bf16/fp16
+            x on the GPU, not for fp32 and not in Triton's CPU interpreter.
 
     Returns:
         out, [M, I] in x's dtype.
@@ -399,20 +434,25 @@ def gated_gemm(
     if m == 0:
         return out
     code = ACTIVATION_CODES[activation]
+    if approx_tanh is None:
+        approx_tanh = default_approx_tanh(x)
+    elif approx_tanh and interpreting():
+        raise ValueError("gated_gemm: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
+                         "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
     if kernel == "gemv":
         if not _gemv().gemv_supported(x, packed):
             raise ValueError(f"gated_gemm: kernel='gemv' needs M == 1 and I % {GATE_UP_BLOCK} == 0, "
                              f"got M={m}, I={i}; use kernel='auto'")
-        return _gemv().gated_gemv(x, packed, code, bias, out, config or GEMV_DEFAULT)
+        return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, config or GEMV_DEFAULT)
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
-        return _tma().gated_gemm_tma(x, packed, code, bias, out, config or _tma_default(m_bucket(m)))
+        return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
     if cfg.block_m == 1 and kernel == "pointer":
         raise ValueError("gated_gemm: a config with block_m=1 is the one-token GEMV's; "
                          "pass kernel='gemv' or kernel='auto', or a pointer config with block_m >= 16")
     if cfg.block_m == 1:  # a GEMV config (shape rules at M = 1)
         if _gemv().gemv_supported(x, packed):
-            return _gemv().gated_gemv(x, packed, code, bias, out, cfg)
+            return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
         cfg = default_config(m_bucket(m), x.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](
@@ -421,6 +461,6 @@ def gated_gemm(
         x.stride(0), x.stride(1),
         packed.stride(0), packed.stride(1),
         out.stride(0), out.stride(1),
-        **_launch_meta(cfg, code, bias is not None, _input_precision(x.dtype)),
+        **_launch_meta(cfg, code, approx_tanh, bias is not None, _input_precision(x.dtype)),
     )
     return out

@@ -67,7 +67,7 @@ def _k_range_acc(x_desc, w_desc, offs_m, offs_w, k_begin, k_end,
 
 @triton.jit
 def _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
                     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
     """Bias, split gate/up in registers, act(gate) * up in fp32, one rounding, one TMA store."""
     if HAS_BIAS:
@@ -76,7 +76,7 @@ def _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
     acc = tl.reshape(acc, (BLOCK_SIZE_M, 2 * BLOCK_SIZE_N // (2 * GATE_UP_BLOCK), 2, GATE_UP_BLOCK))
     acc = tl.permute(acc, (0, 1, 3, 2))
     gate, up = tl.split(tl.reshape(acc, (BLOCK_SIZE_M, BLOCK_SIZE_N, 2)))  # [BLOCK_SIZE_M, BLOCK_SIZE_N] each
-    h = _apply_activation(gate, ACTIVATION) * up
+    h = _apply_activation(gate, ACTIVATION, APPROX_TANH) * up
     out_desc.store([offs_m, pid_n * BLOCK_SIZE_N], h.to(out_desc.dtype))
 
 
@@ -85,6 +85,7 @@ def _gated_gemm_tma_tiles(
     x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
@@ -123,7 +124,7 @@ def _gated_gemm_tma_tiles(
         offs_w = pid_n * 2 * BLOCK_SIZE_N  # first packed row of this tile's blocks
         acc = _k_range_acc(x_desc, w_desc, offs_m, offs_w, 0, k_tiles, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
         _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                        HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
+                        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
 
     # -- stream-K tiles: this program's contiguous run of K iterations --
     # (a while over the run's pieces with a K loop inside: Triton pipelines the inner loop. One
@@ -147,7 +148,7 @@ def _gated_gemm_tma_tiles(
                                BLOCK_SIZE_K)
             if k_end - k_begin == k_tiles:  # the whole tile in this run
                 _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                                HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
+                                HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
             else:
                 slot = 2 * start_pid + (it != run_begin).to(tl.int32)
                 tl.store(ws_ptr + slot.to(tl.int64) * (BLOCK_SIZE_M * 2 * BLOCK_SIZE_N) + offs_acc, acc)
@@ -161,7 +162,7 @@ def _gated_gemm_tma_tiles(
                         acc += tl.load(ws_ptr + p_slot.to(tl.int64) * (BLOCK_SIZE_M * 2 * BLOCK_SIZE_N) + offs_acc,
                                        cache_modifier=".cg")
                     _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                                    HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
+                                    HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
                     tl.atomic_xchg(cnt_ptr + sk_tile, 0)  # ready for the next call on this stream
             it += k_end - k_begin
 
@@ -175,13 +176,13 @@ def _gated_gemm_tma_tiles(
             acc = _k_range_acc(x_desc, w_tail_desc, offs_m, offs_w, 0, k_tiles, BLOCK_SIZE_M,
                                BLOCK_SIZE_N // TAIL_SPLIT, BLOCK_SIZE_K)
             _gated_epilogue(acc, out_tail_desc, b_ptr, offs_m, offs_w, sub_n, I,
-                            HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N // TAIL_SPLIT)
+                            HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N // TAIL_SPLIT)
 
 
 @triton.jit
 def _gated_gemm_tma_kernel(
     x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
     STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
@@ -189,7 +190,7 @@ def _gated_gemm_tma_kernel(
     """Host-built TMA descriptors."""
     _gated_gemm_tma_tiles(
         x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-        HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
+        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
         WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
@@ -197,7 +198,7 @@ def _gated_gemm_tma_kernel(
 @triton.jit
 def _gated_gemm_tma_devdesc_kernel(
     x_ptr, w_ptr, out_ptr, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
     STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
@@ -216,7 +217,7 @@ def _gated_gemm_tma_devdesc_kernel(
         out_tail_desc = out_desc
     _gated_gemm_tma_tiles(
         x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-        HAS_BIAS, ACTIVATION, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
+        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
         WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
@@ -295,6 +296,7 @@ def gated_gemm_tma(
     x: torch.Tensor,
     packed: torch.Tensor,
     activation_code: int,
+    approx_tanh: bool,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GatedGemmConfig,
@@ -323,7 +325,7 @@ def gated_gemm_tma(
     else:
         ws = cnt = packed  # unused
     meta = dict(
-        HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
+        HAS_BIAS=bias is not None, ACTIVATION=activation_code, APPROX_TANH=approx_tanh, GATE_UP_BLOCK=GATE_UP_BLOCK,
         BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config.group_m,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=config.warp_specialize, FLATTEN=flatten, STREAM_K=plan.stream_k,
         TAIL_SPLIT=plan.split,

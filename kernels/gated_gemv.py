@@ -38,6 +38,7 @@ def _gated_gemv_kernel(
     stride_xk, stride_wn, stride_wk, stride_oi,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -62,7 +63,7 @@ def _gated_gemv_kernel(
     # rows are [block, gate/up, 16]: move gate/up last and split it off
     acc = tl.permute(tl.reshape(acc, (BLOCKS, 2, GATE_UP_BLOCK)), (0, 2, 1))
     gate, up = tl.split(tl.reshape(acc, (BLOCKS * GATE_UP_BLOCK, 2)))  # [BLOCKS * 16] each
-    h = _apply_activation(gate, ACTIVATION) * up
+    h = _apply_activation(gate, ACTIVATION, APPROX_TANH) * up
     offs_i = tl.program_id(0) * (BLOCKS * GATE_UP_BLOCK) + tl.arange(0, BLOCKS * GATE_UP_BLOCK)
     tl.store(out_ptr + offs_i * stride_oi, h.to(out_ptr.dtype.element_ty), mask=offs_i < I)
 
@@ -76,6 +77,7 @@ def gated_gemv(
     x: torch.Tensor,
     packed: torch.Tensor,
     activation_code: int,
+    approx_tanh: bool,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GatedGemmConfig,
@@ -94,7 +96,7 @@ def gated_gemv(
         x, packed, bias if bias is not None else packed, out,
         i, k,
         x.stride(1), packed.stride(0), packed.stride(1), out.stride(1),
-        HAS_BIAS=bias is not None, ACTIVATION=activation_code, GATE_UP_BLOCK=GATE_UP_BLOCK,
+        HAS_BIAS=bias is not None, ACTIVATION=activation_code, APPROX_TANH=approx_tanh, GATE_UP_BLOCK=GATE_UP_BLOCK,
         BLOCKS=config.block_n // GATE_UP_BLOCK, BLOCK_SIZE_K=config.block_k,
         num_warps=config.num_warps, num_stages=1,
     )

@@ -261,7 +261,7 @@ def test_tma_host_and_device_descriptors(device_descriptors):
     x, gate, up, bg, bu = make_case(70, 64, 48, torch.float16, bias=True)
     out = torch.full((70, 48), float("nan"), dtype=torch.float16, device=DEVICE)
     cfg = TMA_CONFIG or _TMA_DEFAULTS[max(_TMA_DEFAULTS)]
-    gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["gelu"], pack_gate_up(bg, bu), out, cfg,
+    gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["gelu"], CUDA, pack_gate_up(bg, bu), out, cfg,
                    device_descriptors=device_descriptors)
     check(out, x, gate, up, bg, bu, "gelu")
 
@@ -293,7 +293,8 @@ def test_tma_stream_k_matches_float64_and_is_deterministic(m, k, i, bias):
     outs = []
     for _ in range(2):
         out = torch.full((m, i), float("nan"), dtype=torch.float16, device=DEVICE)
-        tma.gated_gemm_tma(x, packed, ACTIVATION_CODES["gelu_tanh"], packed_b, out, SK_CONFIG, stream_k_min_idle=0.0)
+        tma.gated_gemm_tma(x, packed, ACTIVATION_CODES["gelu_tanh"], CUDA, packed_b, out, SK_CONFIG,
+                           stream_k_min_idle=0.0)
         outs.append(out)
     check(outs[0], x, gate, up, bg, bu, "gelu_tanh")
     assert torch.equal(outs[0], outs[1])  # pieces are summed in program order, whoever arrives last
@@ -353,7 +354,7 @@ def test_tma_split_tail_matches_float64(m, k, i, cfg, device_descriptors, dtype)
     assert tma.plan_tail(m, i, cfg, programs).split > 1  # the case has a split tail
     x, gate, up, bg, bu = make_case(m, k, i, dtype, bias=True)
     out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
-    tma.gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["silu"], pack_gate_up(bg, bu), out, cfg,
+    tma.gated_gemm_tma(x, pack_gate_up(gate, up), ACTIVATION_CODES["silu"], CUDA, pack_gate_up(bg, bu), out, cfg,
                        device_descriptors=device_descriptors)
     check(out, x, gate, up, bg, bu, "silu")
 
