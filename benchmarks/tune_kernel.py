@@ -203,6 +203,32 @@ def paired_variants(m: int) -> list[tuple[str, dict]]:
     return out
 
 
+# 32-row TMA tiles with several persistent programs per SM: Liger's inference kernel picks
+# 32 x (2 x 128) x 128 boxes with 2 stages on Qwen2.5-7B at M = 64 and runs several CTAs per SM
+# (72 KB each); one persistent program per SM of the same box leaves a single load in flight
+# per SM and measured 1.9-2.0x of cuBLAS (`tune_mid_h100_bf16.json`). Each tile runs with 1-4
+# programs per SM (those that do not fit run as extra waves of the persistent loop).
+TMA_OCC_CONFIGS = [  # shared memory per program by Triton 3.6's sm_90 compile: programs that fit per SM
+    GatedGemmConfig(32, 128, 128, group_m=4, num_warps=4, num_stages=2),  # 86 KB: 2 (Liger's box)
+    GatedGemmConfig(32, 128, 64, group_m=4, num_warps=4, num_stages=2),  # 49 KB: 4
+    GatedGemmConfig(32, 128, 64, group_m=4, num_warps=4, num_stages=3),  # 86 KB: 2
+    GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2),  # 49 KB: 4
+    GatedGemmConfig(32, 64, 64, group_m=4, num_warps=4, num_stages=3),  # 49 KB: 4
+    GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2),  # 106 KB: 2
+]
+
+
+def occupancy_tma_variants(m: int) -> list[tuple[str, dict]]:
+    """The shipped config for m against TMA_OCC_CONFIGS with 1, 2, 3 and 4 programs per SM."""
+    out = [(f"tma {_tma_default(m_bucket(m))}", dict(kernel="tma", config=_tma_default(m_bucket(m))))] if m > 64 \
+        else [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))]
+    for c in TMA_OCC_CONFIGS:
+        for pps in (1, 2, 3, 4):
+            cfg = dataclasses.replace(c, programs_per_sm=pps)
+            out.append((f"tma {cfg}", dict(kernel="tma", config=cfg)))
+    return out
+
+
 # One token through `gated_gemv` (no tensor cores: the weight streamed through registers, many
 # programs per SM, as read_floor's pure read): block_n output columns (block_n // 16 gate/up
 # blocks) and block_k inputs per step, num_warps.
@@ -273,11 +299,12 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv"], help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "decode", "gemv"], default="all",
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
                          "midocc: low-footprint pointer tiles at 17 <= M <= 64; "
                          "paired: TMA tiles with two persistent programs per SM; "
+                         "tmaocc: 32-row TMA tiles with 1-4 persistent programs per SM; "
                          "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
@@ -307,7 +334,7 @@ def main() -> None:
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
             pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
-                        paired=paired_variants,
+                        paired=paired_variants, tmaocc=occupancy_tma_variants,
                         decode=lambda m: decode_variants(m, k, i, dtype),
                         gemv=lambda m: gemv_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
