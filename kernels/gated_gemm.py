@@ -222,9 +222,11 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
 @dataclass(frozen=True)
 class ShapeRule:
     """The config for the M bucket `bucket` (a `_DEFAULTS` key: 16 is M <= 16, 32 is
-    17 <= M <= 32), M <= m_max, on a GPU whose name holds one of `gpus`, for K <= k_max and
-    i_min <= I <= i_max (None: any). A config with block_m == 1 runs the one-token GEMV
-    (`gated_gemv.py`), any other the pointer kernel."""
+    17 <= M <= 32), M <= m_max, on a GPU whose name holds one of `gpus`, for
+    k_min <= K <= k_max and i_min <= I <= i_max (None: any). A config with block_m == 1 runs
+    the one-token GEMV (`gated_gemv.py`), one with programs_per_sm > 1 the TMA kernel
+    (`gated_gemm_tma.py`, where `tma_supported`), any other the pointer kernel; a call the
+    named kernel cannot run takes the bucket's `_DEFAULTS` entry."""
 
     gpus: tuple[str, ...]
     k_max: int | None
@@ -233,6 +235,7 @@ class ShapeRule:
     i_min: int | None = None
     bucket: int = 16
     m_max: int | None = None
+    k_min: int | None = None
 
 
 # Shape rules, first match wins; a call no rule covers takes its bucket's `_DEFAULTS` entry.
@@ -268,6 +271,15 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
     # three programs per SM) 0.995x / 1.004x of cuBLAS at M = 24 / 32, the H100's 2-stage tile
     # 1.012x, the table's 1.083x / 1.072x; Liger 0.972x / 0.975x.
     ShapeRule(("H200",), 4096, None, GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=4), i_min=16385, bucket=32),
+    # 33 <= M <= 64 with K >= 8192 and I > 16384 (Llama-3-70B), H100: the TMA kernel's 64x(2*64)x128
+    # tile with 2 stages (106 KB) and two persistent programs per SM, so one program's loads and
+    # epilogue overlap the other's MMAs: 0.951x and 0.957x of cuBLAS at M = 64 in two sweeps
+    # against 0.977x / 0.979x for the bucket's pointer tile, Liger 0.954x / 0.962x
+    # (tune_paired_h100_bf16.json, tune_tmaocc_h100_bf16.json). On Qwen2.5-7B and Llama-3-8B the
+    # same tile lost (1.01-1.13x), and no 32-row TMA tile with 1-4 programs per SM came near Liger
+    # on Qwen2.5-7B at M = 64 (1.09x at best, against 0.951x).
+    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                     programs_per_sm=2), i_min=16385, bucket=64, k_min=8192),
 )
 
 
@@ -280,6 +292,7 @@ def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None) ->
     for rule in _SHAPE_RULES:
         if (rule.bucket == bucket and (rule.m_max is None or m <= rule.m_max) and any(g in name for g in rule.gpus)
                 and (rule.k_max is None or (k is not None and k <= rule.k_max))
+                and (rule.k_min is None or (k is not None and k >= rule.k_min))
                 and (rule.i_max is None or (i is not None and i <= rule.i_max))
                 and (rule.i_min is None or (i is not None and i >= rule.i_min))):
             return rule.config
@@ -292,8 +305,9 @@ def default_config(
 ) -> GatedGemmConfig:
     """The shipped config for M tokens (the hot path passes `m_bucket(M)`: one cache entry per
     bucket), I output columns and K input features on CUDA device `device_index` (None: the
-    bucket table `_DEFAULTS`, whatever the device): the pointer kernel's, or the one-token
-    GEMV's where a shape rule gives a config with block_m == 1."""
+    bucket table `_DEFAULTS`, whatever the device): the pointer kernel's, the one-token
+    GEMV's where a shape rule gives a config with block_m == 1, or the TMA kernel's where it
+    gives one with programs_per_sm > 1 (`ShapeRule`)."""
     bucket = _bucket_key(_DEFAULTS, m)
     cfg = _DEFAULTS[bucket]
     if device_index is not None:
@@ -359,8 +373,8 @@ def _gemv():
 GEMV_DEFAULT = GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1)
 
 
-def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor) -> bool:
-    if x.shape[0] < TMA_MIN_M or not x.is_cuda or not _is_hopper_or_newer(x.device.index or 0):
+def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, min_m: int = TMA_MIN_M) -> bool:
+    if x.shape[0] < min_m or not x.is_cuda or not _is_hopper_or_newer(x.device.index or 0):
         return False
     return _tma().tma_supported(x, packed, out)
 
@@ -418,7 +432,8 @@ def gated_gemm(
         config: launch config; if None, `default_config` for M's bucket, I, K and x's GPU.
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill),
             "gemv" (`gated_gemv`, M = 1 and I % 16 == 0) or "auto": TMA for M >= TMA_MIN_M
-            where `tma_supported`, else pointer.
+            where `tma_supported`, else the kernel the shape rules name (`ShapeRule`: the GEMV
+            or TMA at some small-M shapes), else pointer.
         approx_tanh: evaluate silu and gelu_tanh with PTX `tanh.approx.f32` (see
             `_apply_activation`); None (default): `default_approx_tanh(x)`, i.e. for bf16/fp16
             x on the GPU, not for fp32 and not in Triton's CPU interpreter.
@@ -447,10 +462,16 @@ def gated_gemm(
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
+    if config is None and (cfg.block_m == 1 or cfg.programs_per_sm > 1):  # a shape rule names the GEMV or TMA
+        if kernel == "auto" and cfg.block_m == 1 and _gemv().gemv_supported(x, packed):
+            return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
+        if kernel == "auto" and cfg.programs_per_sm > 1 and _use_tma(x, packed, out, min_m=1):
+            return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
+        cfg = default_config(m_bucket(m), x.dtype)  # the bucket's pointer tile
     if cfg.block_m == 1 and kernel == "pointer":
         raise ValueError("gated_gemm: a config with block_m=1 is the one-token GEMV's; "
                          "pass kernel='gemv' or kernel='auto', or a pointer config with block_m >= 16")
-    if cfg.block_m == 1:  # a GEMV config (shape rules at M = 1)
+    if cfg.block_m == 1:  # an explicit GEMV config with kernel='auto'
         if _gemv().gemv_supported(x, packed):
             return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
         cfg = default_config(m_bucket(m), x.dtype)

@@ -104,7 +104,7 @@ def test_config_per_gpu_and_shape(monkeypatch):
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
     table, table32 = gg._for_bucket(gg._DEFAULTS, 1), gg._for_bucket(gg._DEFAULTS, 32)
-    short_k, gemv_narrow_i, narrow_i, mid_wide_i, mid_wide_i_h200 = (rule.config for rule in gg._SHAPE_RULES)
+    short_k, gemv_narrow_i, narrow_i, mid_wide_i, mid_wide_i_h200, tma_70b = (rule.config for rule in gg._SHAPE_RULES)
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
         assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
@@ -126,8 +126,45 @@ def test_config_per_gpu_and_shape(monkeypatch):
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
     assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i
     assert mid_wide_i != mid_wide_i_h200
+    # Llama-3-70B at 33 <= M <= 64 on the H100: the TMA tile with two programs per SM
+    table64 = gg._for_bucket(gg._DEFAULTS, 64)
+    assert pick(64, torch.bfloat16, 28672, 0, 8192) == pick(33, torch.bfloat16, 28672, 0, 8192) == tma_70b
+    assert tma_70b.programs_per_sm == 2
+    assert pick(32, torch.bfloat16, 28672, 0, 8192) != tma_70b  # bucket 32: not measured
+    assert pick(64, torch.bfloat16, 36864, 0, 4608) == table64  # Gemma-2-27B: K below the rule's
+    assert pick(64, torch.bfloat16, 18944, 0, 3584) == table64  # Qwen2.5-7B: the tile lost there
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
+    assert pick(64, torch.bfloat16, 28672, 0, 8192) == table64  # not measured on the H200
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
+
+
+@pytest.mark.skipif(not CUDA, reason="shape rules apply on a CUDA device; the interpreter takes the bucket table")
+def test_auto_runs_the_kernel_a_shape_rule_names(monkeypatch):
+    """kernel='auto' without a config runs what `_SHAPE_RULES` picks for this GPU and shape (the TMA
+    kernel for a programs_per_sm > 1 tile, the GEMV for block_m == 1, else the pointer kernel);
+    kernel='pointer' without a config runs the bucket's pointer tile instead of raising."""
+    from swiglu_patch.kernels import gated_gemm as gg
+
+    m, k, i = 64, 8192, 16400  # Llama-3-70B's K; I just past the rule's lower bound, no multiple of 128
+    x, gate, up, _, _ = make_case(m, k, i, torch.bfloat16, bias=False)
+    packed = pack_gate_up(gate, up)
+    rule = gg.default_config(gg.m_bucket(m), x.dtype, i, 0, k)
+    calls = []
+    real_tma = gg._tma().gated_gemm_tma
+    monkeypatch.setattr(gg._tma(), "gated_gemm_tma", lambda *a, **kw: calls.append(a[-1]) or real_tma(*a, **kw))
+    for kernel in ("auto", "pointer"):
+        out = torch.full((m, i), float("nan"), dtype=x.dtype, device=DEVICE)
+        gated_gemm(x, packed, "silu", out=out, kernel=kernel)
+        check(out, x, gate, up, None, None, "silu")
+    tma_route = rule.programs_per_sm > 1 and gg._use_tma(x, packed, out, min_m=1)
+    assert calls == ([rule] if tma_route else [])
+    if "H100" in torch.cuda.get_device_name(0):
+        assert tma_route  # the 70B rule (H100)
+    x1 = x[:1]
+    out1 = torch.full((1, i), float("nan"), dtype=x.dtype, device=DEVICE)
+    gated_gemm(x1, packed, "silu", out=out1, kernel="pointer")  # whatever rule covers M = 1
+    check(out1, x1, gate, up, None, None, "silu")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
