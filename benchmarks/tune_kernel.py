@@ -218,10 +218,10 @@ TMA_OCC_CONFIGS = [  # shared memory per program by Triton 3.6's sm_90 compile: 
 ]
 
 
-def occupancy_tma_variants(m: int) -> list[tuple[str, dict]]:
-    """The shipped config for m against TMA_OCC_CONFIGS with 1, 2, 3 and 4 programs per SM."""
-    out = [(f"tma {_tma_default(m_bucket(m))}", dict(kernel="tma", config=_tma_default(m_bucket(m))))] if m > 64 \
-        else [(f"ptr {_shipped_ptr(m)}", dict(kernel="pointer", config=_shipped_ptr(m)))]
+def occupancy_tma_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """What gated_gemm ships for this GPU, shape and m (kernel='auto', no config: label
+    `shipped`) against TMA_OCC_CONFIGS with 1, 2, 3 and 4 programs per SM."""
+    out = [(f"shipped {default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)}", dict(kernel="auto"))]
     for c in TMA_OCC_CONFIGS:
         for pps in (1, 2, 3, 4):
             cfg = dataclasses.replace(c, programs_per_sm=pps)
@@ -298,7 +298,8 @@ def main() -> None:
                     help="sweep the tensor-parallel shard shapes (benchmarks.shapes.TP_SHARD_SHAPES) instead")
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv"], help="variant label prefixes to time")
+    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv", "shipped"],
+                    help="variant label prefixes to time")
     ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv"], default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
@@ -334,7 +335,7 @@ def main() -> None:
             rows = torch.randperm(m, device="cuda")[:64]
             fns, found = {"gemm_only": lambda: x @ stacked.T}, {}
             pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
-                        paired=paired_variants, tmaocc=occupancy_tma_variants,
+                        paired=paired_variants, tmaocc=lambda m: occupancy_tma_variants(m, k, i, dtype),
                         decode=lambda m: decode_variants(m, k, i, dtype),
                         gemv=lambda m: gemv_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
