@@ -462,18 +462,15 @@ def gated_gemm(
     if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
         return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
-    if config is None and (cfg.block_m == 1 or cfg.programs_per_sm > 1):  # a shape rule names the GEMV or TMA
-        if kernel == "auto" and cfg.block_m == 1 and _gemv().gemv_supported(x, packed):
-            return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
-        if kernel == "auto" and cfg.programs_per_sm > 1 and _use_tma(x, packed, out, min_m=1):
-            return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
-        cfg = default_config(m_bucket(m), x.dtype)  # the bucket's pointer tile
-    if cfg.block_m == 1 and kernel == "pointer":
+    rule_tma = config is None and cfg.programs_per_sm > 1  # a shape rule's TMA tile (M <= 64)
+    if cfg.block_m == 1 and kernel == "pointer" and config is not None:
         raise ValueError("gated_gemm: a config with block_m=1 is the one-token GEMV's; "
                          "pass kernel='gemv' or kernel='auto', or a pointer config with block_m >= 16")
-    if cfg.block_m == 1:  # an explicit GEMV config with kernel='auto'
-        if _gemv().gemv_supported(x, packed):
-            return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
+    if kernel == "auto" and cfg.block_m == 1 and _gemv().gemv_supported(x, packed):  # a rule's (M = 1) or given
+        return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
+    if kernel == "auto" and rule_tma and _use_tma(x, packed, out, min_m=1):
+        return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
+    if cfg.block_m == 1 or rule_tma:  # the kernel that config is for cannot run this call: the bucket's tile
         cfg = default_config(m_bucket(m), x.dtype)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](

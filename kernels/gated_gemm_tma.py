@@ -67,8 +67,8 @@ def _k_range_acc(x_desc, w_desc, offs_m, offs_w, k_begin, k_end,
 
 @triton.jit
 def _gated_epilogue(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
-                    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
     """Bias, split gate/up in registers, act(gate) * up in fp32, one rounding, one TMA store."""
     if HAS_BIAS:
         offs_b = offs_w + tl.arange(0, 2 * BLOCK_SIZE_N)
@@ -182,24 +182,24 @@ def _gated_gemm_tma_tiles(
 @triton.jit
 def _gated_gemm_tma_kernel(
     x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
     STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
 ):
     """Host-built TMA descriptors."""
     _gated_gemm_tma_tiles(
         x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
-        WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
+        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M,
+        NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
 
 @triton.jit
 def _gated_gemm_tma_devdesc_kernel(
     x_ptr, w_ptr, out_ptr, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_UP_BLOCK: tl.constexpr,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
     STREAM_K: tl.constexpr, TAIL_SPLIT: tl.constexpr,
 ):
@@ -217,8 +217,8 @@ def _gated_gemm_tma_devdesc_kernel(
         out_tail_desc = out_desc
     _gated_gemm_tma_tiles(
         x_desc, w_desc, out_desc, w_tail_desc, out_tail_desc, b_ptr, ws_ptr, cnt_ptr, M, I, K, dp_tiles,
-        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS,
-        WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
+        HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M,
+        NUM_PROGRAMS, WARP_SPECIALIZE, FLATTEN, STREAM_K, TAIL_SPLIT,
     )
 
 
