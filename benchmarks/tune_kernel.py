@@ -13,6 +13,7 @@ copied from that output.
     python -m benchmarks.tune_kernel --variants decode --tokens 1 4 16           # TMA at M <= 16
     python -m benchmarks.tune_kernel --variants midocc --tokens 24 32 48 64 --with-liger  # occupancy at mid M
     python -m benchmarks.tune_kernel --variants paired --tokens 64 128 512 2048 8192   # 2 programs per SM
+    python -m benchmarks.tune_kernel --variants grid --tokens 4 16 32 64 --with-liger   # one program per tile
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from benchmarks.ways import Operands, build, fast_liger_autotune
 from benchmarks.shapes import SHAPES, TP_SHARD_SHAPES, select_shapes
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATIONS
+from swiglu_patch.kernels.activations import ACTIVATION_CODES
 from swiglu_patch.kernels.gated_gemm import (
-    _DEFAULTS, CANDIDATE_CONFIGS, GatedGemmConfig, _for_bucket, _tma_default, default_config, gated_gemm, m_bucket,
+    _DEFAULTS, CANDIDATE_CONFIGS, GatedGemmConfig, _for_bucket, _tma_default, default_approx_tanh, default_config,
+    gated_gemm, m_bucket,
 )
+from swiglu_patch.kernels.gated_gemm_tma_grid import gated_gemm_tma_grid
 
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
 
@@ -229,6 +233,39 @@ def occupancy_tma_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[t
     return out
 
 
+# One program per tile through `gated_gemm_tma_grid` (TMA loads, not persistent: the hardware
+# scheduler keeps several programs per SM in flight), with one [2*BN, BK] weight box and one
+# accumulator ("grid1") or the gate and up rows as two boxes and two accumulators ("grid2", as
+# Liger's inference kernel reads its two weights). Liger's own search space at M <= 64: BLOCK_M
+# 32/64, 128 output columns, BLOCK_K 64/128, 2-3 stages; BLOCK_M 16 and 64 columns added here.
+def grid_configs(m: int) -> list[GatedGemmConfig]:
+    if m > 64:
+        return [GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4),
+                GatedGemmConfig(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
+                GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4),
+                GatedGemmConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)]
+    return [GatedGemmConfig(bm, bn, bk, group_m=4, num_warps=4, num_stages=s)
+            for bm in ((16, 32) if m <= 16 else (32, 64)) for bn in (64, 128) for bk in (64, 128) for s in (2, 3)]
+
+
+def grid_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """What gated_gemm ships for this GPU, shape and m (kernel='auto': label `shipped`) against
+    `gated_gemm_tma_grid` with one and with two weight boxes per K step."""
+    out = [(f"shipped {default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)}", dict(kernel="auto"))]
+    for c in grid_configs(m):
+        for two in (False, True):
+            out.append((f"grid{2 if two else 1} {c}", dict(grid=c, two_dots=two)))
+    return out
+
+
+def _run(x, packed, activation, out, kw):
+    """One call of the variant `kw`: gated_gemm's keyword arguments, or a `grid` config."""
+    if "grid" in kw:
+        return gated_gemm_tma_grid(x, packed, ACTIVATION_CODES[activation], default_approx_tanh(x), None, out,
+                                   kw["grid"], kw["two_dots"])
+    return gated_gemm(x, packed, activation, out=out, **kw)
+
+
 # One token through `gated_gemv` (no tensor cores: the weight streamed through registers, many
 # programs per SM, as read_floor's pure read): block_n output columns (block_n // 16 gate/up
 # blocks) and block_k inputs per step, num_warps.
@@ -298,14 +335,16 @@ def main() -> None:
                     help="sweep the tensor-parallel shard shapes (benchmarks.shapes.TP_SHARD_SHAPES) instead")
     ap.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv", "shipped"],
+    ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv", "shipped", "grid"],
                     help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv"], default="all",
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv", "grid"],
+                    default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
                          "midocc: low-footprint pointer tiles at 17 <= M <= 64; "
                          "paired: TMA tiles with two persistent programs per SM; "
                          "tmaocc: 32-row TMA tiles with 1-4 persistent programs per SM; "
+                         "grid: TMA tiles with one program per tile, one or two weight boxes; "
                          "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
@@ -337,14 +376,15 @@ def main() -> None:
             pick = dict(all=variants, tail=tail_variants, mid=mid_variants, midocc=mid_occupancy_variants,
                         paired=paired_variants, tmaocc=lambda m: occupancy_tma_variants(m, k, i, dtype),
                         decode=lambda m: decode_variants(m, k, i, dtype),
-                        gemv=lambda m: gemv_variants(m, k, i, dtype))[args.variants]
+                        gemv=lambda m: gemv_variants(m, k, i, dtype),
+                        grid=lambda m: grid_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue
                 out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")
                 t0 = time.perf_counter()
                 try:
-                    gated_gemm(x, packed, shape.activation, out=out, **kw)
+                    _run(x, packed, shape.activation, out, kw)
                     torch.cuda.synchronize()
                 except Exception as e:  # out of shared memory or registers: record, go on
                     rows_out.append(dict(shape=shape.name, m=m, config=label, error=repr(e)[:300]))
@@ -355,7 +395,7 @@ def main() -> None:
                 found[label] = dict(shape=shape.name, m=m, bucket=m_bucket(m), config=label, rel_err=err, ok=ok,
                                     first_call_s=first_call_s)
                 if ok:
-                    fns[label] = (lambda kw=kw, out=out: gated_gemm(x, packed, shape.activation, out=out, **kw))
+                    fns[label] = (lambda kw=kw, out=out: _run(x, packed, shape.activation, out, kw))
             if args.with_liger and shape.activation == "silu":
                 liger = build("liger", Operands(x, stacked, gate, up, packed, shape.activation, "auto"))
                 err = rel_err_rows(liger(), x, gate, up, shape.activation, rows)
