@@ -23,8 +23,9 @@ from benchmarks.env_info import environment
 from benchmarks.shapes import SHAPES
 from swiglu_patch import gated_linear, pack_gate_up
 from swiglu_patch.kernels.activations import ACTIVATION_CODES
-from swiglu_patch.kernels.gated_gemm import _TMA_DEFAULTS, default_config, gated_gemm
+from swiglu_patch.kernels.gated_gemm import _TMA_DEFAULTS, GatedGemmConfig, default_config, gated_gemm
 from swiglu_patch.kernels.gated_gemm_tma import gated_gemm_tma
+from swiglu_patch.kernels.gated_gemm_tma_grid import gated_gemm_tma_grid
 
 
 def ways(x, packed, out):
@@ -94,6 +95,7 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
     packed = patched.gate_up_interleaved
     out = torch.empty(1, inter, device="cuda", dtype=dt)
     cfg1 = default_config(1, dt, inter, torch.cuda.current_device(), dim)  # what gated_gemm picks on this GPU
+    grid_cfg = GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2)
     return {
         "F.linear (cuBLAS) gate_proj": lambda: torch.nn.functional.linear(x3, g),
         "F.silu": lambda: torch.nn.functional.silu(x3),
@@ -104,6 +106,10 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
         "gated_gemm [1, K] (allocates out)": lambda: gated_gemm(x2, packed, "silu"),
         "gated_gemm [1, K], out and config given": lambda: gated_gemm(x2, packed, "silu", out=out, config=cfg1,
                                                                        kernel="pointer"),
+        "gated_gemm_tma_grid [1, K], device descriptors": lambda: gated_gemm_tma_grid(
+            x2, packed, ACTIVATION_CODES["silu"], True, None, out, grid_cfg, device_descriptors=True),
+        "gated_gemm_tma_grid [1, K], host descriptors": lambda: gated_gemm_tma_grid(
+            x2, packed, ACTIVATION_CODES["silu"], True, None, out, grid_cfg, device_descriptors=False),
     }
 
 

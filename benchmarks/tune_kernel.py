@@ -254,7 +254,34 @@ def grid_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str,
     out = [(f"shipped {default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)}", dict(kernel="auto"))]
     for c in grid_configs(m):
         for two in (False, True):
-            out.append((f"grid{2 if two else 1} {c}", dict(grid=c, two_dots=two)))
+            out.append((f"grid{2 if two else 1} {c}", dict(grid=c, two_dots=two, device_descriptors=False)))
+    return out
+
+
+# The best `grid` tiles per M bucket of the H100 sweep (tune_grid_h100_bf16.json), each with its
+# descriptors built on the host and by each program on the device ("grid1d"/"grid2d").
+GRID_PICKS = {
+    16: [(GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2), True),
+         (GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=3), False),
+         (GatedGemmConfig(16, 128, 128, group_m=4, num_warps=4, num_stages=3), True)],
+    32: [(GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2), True),
+         (GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=3), True),
+         (GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2), False)],
+    64: [(GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3), False),
+         (GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2), False),
+         (GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2), False)],
+    128: [(GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4), False),
+          (GatedGemmConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4), False)],
+}
+
+
+def grid_pick_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
+    """The shipped config against GRID_PICKS[m's bucket], host and device descriptors."""
+    out = [(f"shipped {default_config(m_bucket(m), dtype, i, torch.cuda.current_device(), k)}", dict(kernel="auto"))]
+    for c, two in GRID_PICKS.get(min(m_bucket(m), 128), []):
+        for dev in (False, True):
+            out.append((f"grid{2 if two else 1}{'d' if dev else ''} {c}",
+                        dict(grid=c, two_dots=two, device_descriptors=dev)))
     return out
 
 
@@ -262,7 +289,7 @@ def _run(x, packed, activation, out, kw):
     """One call of the variant `kw`: gated_gemm's keyword arguments, or a `grid` config."""
     if "grid" in kw:
         return gated_gemm_tma_grid(x, packed, ACTIVATION_CODES[activation], default_approx_tanh(x), None, out,
-                                   kw["grid"], kw["two_dots"])
+                                   kw["grid"], kw["two_dots"], kw["device_descriptors"])
     return gated_gemm(x, packed, activation, out=out, **kw)
 
 
@@ -337,7 +364,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv", "shipped", "grid"],
                     help="variant label prefixes to time")
-    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv", "grid"],
+    ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv", "grid",
+                                                "gridpick"],
                     default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
@@ -345,6 +373,7 @@ def main() -> None:
                          "paired: TMA tiles with two persistent programs per SM; "
                          "tmaocc: 32-row TMA tiles with 1-4 persistent programs per SM; "
                          "grid: TMA tiles with one program per tile, one or two weight boxes; "
+                         "gridpick: the best grid tiles per bucket, host and device descriptors; "
                          "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
@@ -377,7 +406,8 @@ def main() -> None:
                         paired=paired_variants, tmaocc=lambda m: occupancy_tma_variants(m, k, i, dtype),
                         decode=lambda m: decode_variants(m, k, i, dtype),
                         gemv=lambda m: gemv_variants(m, k, i, dtype),
-                        grid=lambda m: grid_variants(m, k, i, dtype))[args.variants]
+                        grid=lambda m: grid_variants(m, k, i, dtype),
+                        gridpick=lambda m: grid_pick_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue

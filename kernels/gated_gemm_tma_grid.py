@@ -15,7 +15,7 @@ either
   boxes of the packed weight viewed as [I // 16, 32, K] (block b's gate rows at [b, 0:16], its
   up rows at [b, 16:32]) into two [BM, BN] accumulators: no split in the epilogue.
 
-Descriptors are built on the host (a `TensorDescriptor` per operand). TMA zero-fills
+Descriptors are built by each program on the device (default) or on the host. TMA zero-fills
 out-of-bounds reads and clips out-of-bounds writes, so any M and K work; I % 16 == 0 and
 TMA-aligned tensors are required (`gated_gemm_tma.tma_supported`).
 """
@@ -28,11 +28,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gated_gemm import GatedGemmConfig, _apply_activation, _tile_pid
+from .gated_gemm_tma import _ensure_allocator
 from .layout import GATE_UP_BLOCK
 
 
 @triton.jit
-def _gated_gemm_tma_grid_kernel(
+def _grid_tile(
     x_desc, w_desc, w3_desc, out_desc, b_ptr, M, I, K,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, TWO_DOTS: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
@@ -75,6 +76,40 @@ def _gated_gemm_tma_grid_kernel(
     out_desc.store([offs_m, pid_n * BLOCK_SIZE_N], h.to(out_desc.dtype))
 
 
+@triton.jit
+def _gated_gemm_tma_grid_kernel(
+    x_desc, w_desc, w3_desc, out_desc, b_ptr, M, I, K,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, TWO_DOTS: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    """Host-built TMA descriptors."""
+    _grid_tile(x_desc, w_desc, w3_desc, out_desc, b_ptr, M, I, K, HAS_BIAS, ACTIVATION, APPROX_TANH, TWO_DOTS,
+               GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M)
+
+
+@triton.jit
+def _gated_gemm_tma_grid_devdesc_kernel(
+    x_ptr, w_ptr, out_ptr, b_ptr, M, I, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, TWO_DOTS: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    """TMA descriptors built on the device by each program: the host passes plain pointers."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
+    if TWO_DOTS:
+        w3_desc = tl.make_tensor_descriptor(w_ptr, [I // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, K],
+                                            [2 * GATE_UP_BLOCK * stride_wn, stride_wn, 1],
+                                            [BLOCK_SIZE_N // GATE_UP_BLOCK, GATE_UP_BLOCK, BLOCK_SIZE_K])
+        w_desc = w3_desc  # unused
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1], [2 * BLOCK_SIZE_N, BLOCK_SIZE_K])
+        w3_desc = w_desc  # unused
+    _grid_tile(x_desc, w_desc, w3_desc, out_desc, b_ptr, M, I, K, HAS_BIAS, ACTIVATION, APPROX_TANH, TWO_DOTS,
+               GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M)
+
+
 def gated_gemm_tma_grid(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -84,26 +119,34 @@ def gated_gemm_tma_grid(
     out: torch.Tensor,
     config: GatedGemmConfig,
     two_dots: bool = True,
+    device_descriptors: bool = True,
 ) -> torch.Tensor:
     """Launch one program per [block_m, block_n] output tile; arguments as `gated_gemm`'s,
     already checked by `gated_gemm_tma.tma_supported`.
 
     x: [M, K]; packed: [2*I, K] (`layout.py`); bias: [2*I] packed, or None; out: [M, I].
+    device_descriptors: each program builds its TMA descriptors (the host passes pointers)
+    instead of the host building one per operand per call.
     """
     m, k = x.shape
     i = packed.shape[0] // 2
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    x_desc = TensorDescriptor.from_tensor(x, [bm, bk])
-    w_desc = TensorDescriptor.from_tensor(packed, [2 * bn, bk])
-    row = packed.stride(0)
-    w3 = packed.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
-    w3_desc = TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk])
-    out_desc = TensorDescriptor.from_tensor(out, [bm, bn])
     grid = (triton.cdiv(m, bm) * triton.cdiv(i, bn),)
-    _gated_gemm_tma_grid_kernel[grid](
-        x_desc, w_desc, w3_desc, out_desc, bias if bias is not None else packed, m, i, k,
+    meta = dict(
         HAS_BIAS=bias is not None, ACTIVATION=activation_code, APPROX_TANH=approx_tanh, TWO_DOTS=two_dots,
         GATE_UP_BLOCK=GATE_UP_BLOCK, BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=config.group_m,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    b = bias if bias is not None else packed
+    if device_descriptors:
+        _ensure_allocator()
+        _gated_gemm_tma_grid_devdesc_kernel[grid](
+            x, packed, out, b, m, i, k, x.stride(0), packed.stride(0), out.stride(0), **meta)
+        return out
+    row = packed.stride(0)
+    w3 = packed.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
+    _gated_gemm_tma_grid_kernel[grid](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(packed, [2 * bn, bk]),
+        TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), b, m, i, k, **meta)
     return out
