@@ -104,8 +104,7 @@ def decode_ways(dim: int, inter: int, dt: torch.dtype) -> dict:
         "FusedGatedMLP forward (patched, 2 kernels)": lambda: patched(x3),
         "gated_linear [1, 1, K]": lambda: gated_linear(x3, packed, "silu"),
         "gated_gemm [1, K] (allocates out)": lambda: gated_gemm(x2, packed, "silu"),
-        "gated_gemm [1, K], out and config given": lambda: gated_gemm(x2, packed, "silu", out=out, config=cfg1,
-                                                                       kernel="pointer"),
+        "gated_gemm [1, K], out and config given": lambda: gated_gemm(x2, packed, "silu", out=out, config=cfg1),
         "gated_gemm_tma_grid [1, K], device descriptors": lambda: gated_gemm_tma_grid(
             x2, packed, ACTIVATION_CODES["silu"], True, None, out, grid_cfg, device_descriptors=True),
         "gated_gemm_tma_grid [1, K], host descriptors": lambda: gated_gemm_tma_grid(

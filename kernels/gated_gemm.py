@@ -17,10 +17,10 @@ dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
-unaligned strides), the Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M) or, where a
-shape rule says so, the one-token GEMV of `gated_gemv.py`, each with a fixed config per M
-bucket (at M <= 32 also per GPU and shape, `_SHAPE_RULES`) measured by
-`benchmarks/tune_kernel.py`.
+unaligned strides), the persistent Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M)
+or, where a shape rule says so, the one-token GEMV of `gated_gemv.py` or the one-program-per-tile
+TMA kernel of `gated_gemm_tma_grid.py` (H100, M <= 128), each with a fixed config per M bucket
+(at M <= 128 also per GPU and shape, `_SHAPE_RULES`) measured by `benchmarks/tune_kernel.py`.
 """
 
 from __future__ import annotations
@@ -161,6 +161,7 @@ class GatedGemmConfig:
     stream_k: bool = False  # TMA kernel only: split the last partial wave's tiles over all SMs by K
     split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
     programs_per_sm: int = 1  # TMA kernel only: persistent programs per SM (2: two share an SM, if they fit)
+    grid_boxes: int = 0  # 1 or 2: the one-program-per-tile TMA kernel (`gated_gemm_tma_grid`) with this many weight boxes
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -224,9 +225,10 @@ class ShapeRule:
     """The config for the M bucket `bucket` (a `_DEFAULTS` key: 16 is M <= 16, 32 is
     17 <= M <= 32), M <= m_max, on a GPU whose name holds one of `gpus`, for
     k_min <= K <= k_max and i_min <= I <= i_max (None: any). A config with block_m == 1 runs
-    the one-token GEMV (`gated_gemv.py`), one with programs_per_sm > 1 the TMA kernel
-    (`gated_gemm_tma.py`, where `tma_supported`), any other the pointer kernel; a call the
-    named kernel cannot run takes the bucket's `_DEFAULTS` entry."""
+    the one-token GEMV (`gated_gemv.py`), one with grid_boxes > 0 the one-program-per-tile TMA
+    kernel (`gated_gemm_tma_grid.py`, where `tma_supported`), one with programs_per_sm > 1 the
+    persistent TMA kernel (`gated_gemm_tma.py`), any other the pointer kernel; a call the named
+    kernel cannot run takes the bucket's `_DEFAULTS` entry."""
 
     gpus: tuple[str, ...]
     k_max: int | None
@@ -261,25 +263,53 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
     # (tune_decode_tp_h100_bf16.json): best or within 0.3% at I = 4608-7168, 4% slower at I = 3584
     # (56 tiles for 132 SMs), hence the lower bound.
     ShapeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3), i_min=4096),
-    # 17 <= M <= 32 with I > 16384 and K <= 4096 (Qwen2.5-7B): the bucket's 4-stage tile takes 120 KB
-    # of shared memory, one program per SM, and Qwen's 296 tiles run as 2.24 waves; with 2 stages
-    # (40 KB) every tile is resident at once: 0.948x of cuBLAS at M = 32 against 0.999x, 0.960x
-    # against 1.015x at M = 24, where Liger ran at 0.958x / 0.962x. On the other five shapes
-    # 2 stages lost 1-19% (H100, tune_midocc_h100_bf16.json).
-    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=2), i_min=16385, bucket=32),
     # The same shapes on the H200 (tune_midocc_h200_bf16.json): 32x(2*64)x64 with 4 stages (60 KB,
     # three programs per SM) 0.995x / 1.004x of cuBLAS at M = 24 / 32, the H100's 2-stage tile
     # 1.012x, the table's 1.083x / 1.072x; Liger 0.972x / 0.975x.
     ShapeRule(("H200",), 4096, None, GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=4), i_min=16385, bucket=32),
-    # 33 <= M <= 64 with K >= 8192 and I > 16384 (Llama-3-70B), H100: the TMA kernel's 64x(2*64)x128
-    # tile with 2 stages (106 KB) and two persistent programs per SM, so one program's loads and
-    # epilogue overlap the other's MMAs: 0.951x and 0.957x of cuBLAS at M = 64 in two sweeps
-    # against 0.977x / 0.979x for the bucket's pointer tile, Liger 0.954x / 0.962x
-    # (tune_paired_h100_bf16.json, tune_tmaocc_h100_bf16.json). On Qwen2.5-7B and Llama-3-8B the
-    # same tile lost (1.01-1.13x), and no 32-row TMA tile with 1-4 programs per SM came near Liger
-    # on Qwen2.5-7B at M = 64 (1.09x at best, against 0.951x).
-    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
-                                                     programs_per_sm=2), i_min=16385, bucket=64, k_min=8192),
+    # H100, 2 <= M <= 128 (and M = 1 on Qwen2.5-7B): the TMA kernel with one program per tile
+    # (`gated_gemm_tma_grid`, grid_boxes = weight boxes per K step), from two interleaved sweeps of
+    # it against the shipped tile and Liger (benchmarks/results/tune_graph/tune_grid_h100_bf16.json,
+    # tune_gridpick_h100_bf16.json; ratios to cuBLAS, first sweep / second). Its programs hold 1-2
+    # stages of shared memory, so 2-3 of them share an SM and the hardware scheduler balances the
+    # weight read across the SMs to the end; the persistent and pointer tiles it replaces ran one
+    # program per SM. Bounds: the shapes measured (K 2048-8192, I 8192-36864).
+    # M <= 16, I > 16384, K <= 4096 (Qwen2.5-7B): 16x(2*64)x128, 2 stages, gate and up as two boxes:
+    # 0.953 / 0.936 / 0.936-0.933 at M = 2 / 8 / 16, the pointer tile 0.965 / 0.955 / 0.945-0.940.
+    # On the other shapes the pointer tiles stayed ahead (by 0.3-2.5%).
+    ShapeRule(("H100",), 4096, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
+              i_min=16385),
+    # 17 <= M <= 32: 32x(2*64)x128, two boxes; 2 stages on Qwen2.5-7B (0.948 / 0.962, the 2-stage
+    # pointer tile 0.965 / 0.978) and on Llama-3-8B and Gemma-2-9B (0.982 / 0.977 and 0.981 / 0.980,
+    # the table's 0.983 / 0.980 and 0.991 / 0.987), 3 stages on the rest (Llama-3.2-1B 0.990 / 0.990
+    # against 1.007 / 1.002, Gemma-2-27B 0.969 / 0.969 against 0.975 / 0.979, Llama-3-70B 0.972 /
+    # 0.966 against 0.987 / 0.984); 2 stages there lost 1-9%.
+    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
+              i_min=16385, bucket=32),
+    ShapeRule(("H100",), 4096, 16384, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
+              i_min=8192, bucket=32, k_min=2049),
+    ShapeRule(("H100",), None, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=2),
+              i_min=8192, bucket=32, k_min=2048),
+    # 33 <= M <= 64, one box: Qwen2.5-7B 32x(2*64)x128 with 2 stages (two row tiles per weight tile):
+    # 0.956 / 0.954 against 1.012 / 1.011 for the pointer tile, Liger 0.964 / 0.960. 64x(2*64)x128
+    # with 2 stages on Llama-3-8B, Gemma-2-9B and Llama-3-70B (0.965 / 0.960, 0.969 / 0.971, 0.942 /
+    # 0.954 against 0.981 / 0.973, 0.988 / 0.989 and the persistent TMA rule's 0.954 / 0.960), with
+    # 3 stages on Llama-3.2-1B and Gemma-2-27B (0.991 / 0.987 against 1.004 / 1.003, 0.968 / 0.969
+    # against 0.980 / 0.981), where 2 stages lost 3-9%.
+    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
+              i_min=16385, bucket=64),
+    ShapeRule(("H100",), 4096, 16384, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
+              i_min=8192, bucket=64, k_min=2049),
+    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
+              i_min=16385, bucket=64, k_min=8192),
+    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
+              i_min=8192, bucket=64, k_min=2048),
+    # 65 <= M <= 128 with I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B): 128x(2*64)x64, 4 stages,
+    # one box: 1.026 / 1.019, 1.014 / 1.013, 1.043 / 1.046 at M = 128 against 1.067 / 1.065, 1.057 /
+    # 1.058, 1.064 / 1.069 for the persistent 128x(2*128) tile, whose 112-128 tiles leave SMs idle
+    # there. It lost on the wider shapes (1.02-1.06 against 0.97-1.01).
+    ShapeRule(("H100",), None, 16384, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4, grid_boxes=1),
+              i_min=8192, bucket=8192, m_max=128, k_min=2048),
 )
 
 
@@ -362,6 +392,14 @@ def _tma():
 
 
 @lru_cache(maxsize=1)
+def _grid():
+    """The one-program-per-tile TMA kernel's module, imported once (it imports this one)."""
+    from . import gated_gemm_tma_grid
+
+    return gated_gemm_tma_grid
+
+
+@lru_cache(maxsize=1)
 def _gemv():
     """The one-token GEMV kernel's module, imported once (it imports this one)."""
     from . import gated_gemv
@@ -371,6 +409,8 @@ def _gemv():
 
 # The GEMV's config when a call names kernel="gemv" without one (block_m, num_stages unused).
 GEMV_DEFAULT = GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1)
+# The grid kernel's config when a call names kernel="grid" without one with grid_boxes set.
+GRID_DEFAULT = GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=1)
 
 
 def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, min_m: int = TMA_MIN_M) -> bool:
@@ -431,9 +471,10 @@ def gated_gemm(
         out: optional [M, I] output to write (any strides); allocated if None.
         config: launch config; if None, `default_config` for M's bucket, I, K and x's GPU.
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill),
-            "gemv" (`gated_gemv`, M = 1 and I % 16 == 0) or "auto": TMA for M >= TMA_MIN_M
-            where `tma_supported`, else the kernel the shape rules name (`ShapeRule`: the GEMV
-            or TMA at some small-M shapes), else pointer.
+            "grid" (`gated_gemm_tma_grid`, Hopper, one program per tile), "gemv" (`gated_gemv`,
+            M = 1 and I % 16 == 0) or "auto": the kernel the shape rules name (`ShapeRule`: the
+            GEMV or the grid kernel at some shapes and M <= 128) where it can run, else TMA for
+            M >= TMA_MIN_M where `tma_supported`, else pointer.
         approx_tanh: evaluate silu and gelu_tanh with PTX `tanh.approx.f32` (see
             `_apply_activation`); None (default): `default_approx_tanh(x)`, i.e. for bf16/fp16
             x on the GPU, not for fp32 and not in Triton's CPU interpreter.
@@ -459,19 +500,31 @@ def gated_gemm(
             raise ValueError(f"gated_gemm: kernel='gemv' needs M == 1 and I % {GATE_UP_BLOCK} == 0, "
                              f"got M={m}, I={i}; use kernel='auto'")
         return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, config or GEMV_DEFAULT)
-    if kernel == "tma" or (kernel == "auto" and config is None and _use_tma(x, packed, out)):
+    if kernel == "grid":
+        if not _use_tma(x, packed, out, min_m=1):
+            raise ValueError("gated_gemm: kernel='grid' needs a Hopper GPU, bf16/fp16 tensors with unit inner "
+                             f"strides and 16-byte-aligned rows, and I % {GATE_UP_BLOCK} == 0; use kernel='auto'")
+        cfg = config or GRID_DEFAULT
+        return _grid().gated_gemm_tma_grid(x, packed, code, approx_tanh, bias, out, cfg, two_dots=cfg.grid_boxes == 2)
+    if kernel == "tma":
         return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, config or _tma_default(m_bucket(m)))
     cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
-    rule_tma = config is None and cfg.programs_per_sm > 1  # a shape rule's TMA tile (M <= 64)
+    rule_tma = config is None and cfg.programs_per_sm > 1  # a shape rule's persistent TMA tile (M <= 64)
     if cfg.block_m == 1 and kernel == "pointer" and config is not None:
         raise ValueError("gated_gemm: a config with block_m=1 is the one-token GEMV's; "
                          "pass kernel='gemv' or kernel='auto', or a pointer config with block_m >= 16")
-    if kernel == "auto" and cfg.block_m == 1 and _gemv().gemv_supported(x, packed):  # a rule's (M = 1) or given
-        return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
-    if kernel == "auto" and rule_tma and _use_tma(x, packed, out, min_m=1):
-        return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
-    if cfg.block_m == 1 or rule_tma:  # the kernel that config is for cannot run this call: the bucket's tile
-        cfg = default_config(m_bucket(m), x.dtype)
+    if kernel == "auto":
+        if cfg.block_m == 1 and _gemv().gemv_supported(x, packed):  # a rule's (M = 1) or given
+            return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, cfg)
+        if cfg.grid_boxes and _use_tma(x, packed, out, min_m=1):  # a rule's or given grid tile
+            return _grid().gated_gemm_tma_grid(x, packed, code, approx_tanh, bias, out, cfg,
+                                               two_dots=cfg.grid_boxes == 2)
+        if config is None and _use_tma(x, packed, out):  # prefill: the persistent TMA kernel's bucket tile
+            return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, _tma_default(m_bucket(m)))
+        if rule_tma and _use_tma(x, packed, out, min_m=1):
+            return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
+    if cfg.block_m == 1 or rule_tma or (config is None and cfg.grid_boxes):
+        cfg = default_config(m_bucket(m), x.dtype)  # the rule's kernel cannot run this call: the bucket's tile
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
     _gated_gemm_fwd_kernel[grid](
         x, packed, bias if bias is not None else packed, out,

@@ -15,7 +15,7 @@ either
   boxes of the packed weight viewed as [I // 16, 32, K] (block b's gate rows at [b, 0:16], its
   up rows at [b, 16:32]) into two [BM, BN] accumulators: no split in the epilogue.
 
-Descriptors are built by each program on the device (default) or on the host. TMA zero-fills
+Descriptors are built on the host (default) or by each program on the device. TMA zero-fills
 out-of-bounds reads and clips out-of-bounds writes, so any M and K work; I % 16 == 0 and
 TMA-aligned tensors are required (`gated_gemm_tma.tma_supported`).
 """
@@ -118,15 +118,17 @@ def gated_gemm_tma_grid(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     config: GatedGemmConfig,
-    two_dots: bool = True,
-    device_descriptors: bool = True,
+    two_dots: bool = False,
+    device_descriptors: bool = False,
 ) -> torch.Tensor:
     """Launch one program per [block_m, block_n] output tile; arguments as `gated_gemm`'s,
     already checked by `gated_gemm_tma.tma_supported`.
 
     x: [M, K]; packed: [2*I, K] (`layout.py`); bias: [2*I] packed, or None; out: [M, I].
+    two_dots: the gate rows and the up rows as two boxes per K step (TWO_DOTS above).
     device_descriptors: each program builds its TMA descriptors (the host passes pointers)
-    instead of the host building one per operand per call.
+    instead of the host building one per operand per call; 3-10% slower on the H100 at
+    M <= 128 (benchmarks/results/tune_graph/tune_gridpick_h100_bf16.json), so off by default.
     """
     m, k = x.shape
     i = packed.shape[0] // 2
