@@ -105,6 +105,38 @@ class GraphTimer:
         torch.cuda.synchronize()
         return graph.replay, "graph"
 
+    def replayed_output(self, fn: Fn):
+        """fn's output as one replay of a CUDA graph of one call computes it (the path `many`
+        times: kernels can choose differently while a graph is captured), the output set to NaN
+        before the replay so an element the replay does not write shows; None if fn cannot be
+        captured (`many` then times it eagerly, and its eager output is the one to check)."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            with torch.cuda.stream(side):  # compile and autotune outside the capture; no host syncs
+                torch.cuda.set_sync_debug_mode("error")
+                fn()
+        except RuntimeError:  # a host sync: no graph (see `_capture`)
+            torch.cuda.synchronize()
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                out = fn()
+        except Exception:  # noqa: BLE001  (uncapturable: timed eagerly, checked eagerly)
+            torch.cuda.synchronize()
+            return None
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        return out
+
     def _timed(self, replay: Fn, n: int) -> list[float]:
         torch = self.torch
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]

@@ -263,33 +263,51 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
     # (tune_decode_tp_h100_bf16.json): best or within 0.3% at I = 4608-7168, 4% slower at I = 3584
     # (56 tiles for 132 SMs), hence the lower bound.
     ShapeRule(("H100", "H200"), None, 16384, GatedGemmConfig(16, 64, 256, num_warps=4, num_stages=3), i_min=4096),
+    # 17 <= M <= 32 with I > 16384 and K <= 4096 (Qwen2.5-7B): the bucket's 4-stage tile takes 120 KB
+    # of shared memory, one program per SM, and Qwen's 296 tiles run as 2.24 waves; with 2 stages
+    # (40 KB) every tile is resident at once: 0.948x of cuBLAS at M = 32 against 0.999x, 0.960x
+    # against 1.015x at M = 24, where Liger ran at 0.958x / 0.962x. On the other five shapes
+    # 2 stages lost 1-19% (H100, tune_midocc_h100_bf16.json).
+    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, num_warps=4, num_stages=2), i_min=16385, bucket=32),
     # The same shapes on the H200 (tune_midocc_h200_bf16.json): 32x(2*64)x64 with 4 stages (60 KB,
     # three programs per SM) 0.995x / 1.004x of cuBLAS at M = 24 / 32, the H100's 2-stage tile
     # 1.012x, the table's 1.083x / 1.072x; Liger 0.972x / 0.975x.
     ShapeRule(("H200",), 4096, None, GatedGemmConfig(32, 64, 64, num_warps=4, num_stages=4), i_min=16385, bucket=32),
-    # H100, 2 <= M <= 128 (and M = 1 on Qwen2.5-7B): the TMA kernel with one program per tile
-    # (`gated_gemm_tma_grid`, grid_boxes = weight boxes per K step), from two interleaved sweeps of
-    # it against the shipped tile and Liger (benchmarks/results/tune_graph/tune_grid_h100_bf16.json,
-    # tune_gridpick_h100_bf16.json; ratios to cuBLAS, first sweep / second). Its programs hold 1-2
-    # stages of shared memory, so 2-3 of them share an SM and the hardware scheduler balances the
-    # weight read across the SMs to the end; the persistent and pointer tiles it replaces ran one
-    # program per SM. Bounds: the shapes measured (K 2048-8192, I 8192-36864).
+    # 33 <= M <= 64 with K >= 8192 and I > 16384 (Llama-3-70B), H100: the TMA kernel's 64x(2*64)x128
+    # tile with 2 stages (106 KB) and two persistent programs per SM, so one program's loads and
+    # epilogue overlap the other's MMAs: 0.951x and 0.957x of cuBLAS at M = 64 in two sweeps
+    # against 0.977x / 0.979x for the bucket's pointer tile, Liger 0.954x / 0.962x
+    # (tune_paired_h100_bf16.json, tune_tmaocc_h100_bf16.json). On Qwen2.5-7B and Llama-3-8B the
+    # same tile lost (1.01-1.13x), and no 32-row TMA tile with 1-4 programs per SM came near Liger
+    # on Qwen2.5-7B at M = 64 (1.09x at best, against 0.951x).
+    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                     programs_per_sm=2), i_min=16385, bucket=64, k_min=8192),
+)
+
+
+# Shape rules for calls captured into a CUDA graph, consulted before `_SHAPE_RULES` there. Their
+# kernel takes host-built TMA descriptors: 86.7 µs of host time per call from idle against 35.8
+# for the pointer kernel (H100 host, `python -m benchmarks.launch_overhead --decode-only`,
+# benchmarks/results/overhead/launch_overhead_decode_h100_0960882.json), which a host-bound eager
+# decode step would pay on every layer; a graph pays it once, at capture.
+_GRAPH_RULES: tuple[ShapeRule, ...] = (
+    # H100, M <= 128: the TMA kernel with one program per tile (`gated_gemm_tma_grid`, grid_boxes =
+    # weight boxes per K step), from two interleaved sweeps of it against the shipped tile and Liger
+    # (benchmarks/results/tune_graph/tune_grid_h100_bf16.json, tune_gridpick_h100_bf16.json; ratios
+    # to cuBLAS, first sweep / second). Its programs hold 1-2 stages of shared memory, so 2-3 of them
+    # share an SM and the hardware scheduler balances the weight read across the SMs to the end; the
+    # persistent and pointer tiles it replaces run one program per SM. Bounds: the shapes measured
+    # (K 2048-8192, I 8192-36864).
     # M <= 16, I > 16384, K <= 4096 (Qwen2.5-7B): 16x(2*64)x128, 2 stages, gate and up as two boxes:
     # 0.953 / 0.936 / 0.936-0.933 at M = 2 / 8 / 16, the pointer tile 0.965 / 0.955 / 0.945-0.940.
     # On the other shapes the pointer tiles stayed ahead (by 0.3-2.5%).
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
               i_min=16385),
-    # 17 <= M <= 32: 32x(2*64)x128, two boxes; 2 stages on Qwen2.5-7B (0.948 / 0.962, the 2-stage
-    # pointer tile 0.965 / 0.978) and on Llama-3-8B and Gemma-2-9B (0.982 / 0.977 and 0.981 / 0.980,
-    # the table's 0.983 / 0.980 and 0.991 / 0.987), 3 stages on the rest (Llama-3.2-1B 0.990 / 0.990
-    # against 1.007 / 1.002, Gemma-2-27B 0.969 / 0.969 against 0.975 / 0.979, Llama-3-70B 0.972 /
-    # 0.966 against 0.987 / 0.984); 2 stages there lost 1-9%.
+    # 17 <= M <= 32, I > 16384, K <= 4096 (Qwen2.5-7B): 32x(2*64)x128, 2 stages, two boxes: 0.948 /
+    # 0.962 against 0.965 / 0.978 for the 2-stage pointer rule. On the other shapes the sweeps' gains
+    # (0-1.5%) did not hold in the bench (tune_grid_h100_bf16.json, mlp_grid_0960882/).
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
               i_min=16385, bucket=32),
-    ShapeRule(("H100",), 4096, 16384, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
-              i_min=8192, bucket=32, k_min=2049),
-    ShapeRule(("H100",), None, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=2),
-              i_min=8192, bucket=32, k_min=2048),
     # 33 <= M <= 64, one box: Qwen2.5-7B 32x(2*64)x128 with 2 stages (two row tiles per weight tile):
     # 0.956 / 0.954 against 1.012 / 1.011 for the pointer tile, Liger 0.964 / 0.960. 64x(2*64)x128
     # with 2 stages on Llama-3-8B, Gemma-2-9B and Llama-3-70B (0.965 / 0.960, 0.969 / 0.971, 0.942 /
@@ -318,8 +336,9 @@ def _gpu_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
-def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None) -> GatedGemmConfig | None:
-    for rule in _SHAPE_RULES:
+def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None,
+                rules: tuple[ShapeRule, ...] = _SHAPE_RULES) -> GatedGemmConfig | None:
+    for rule in rules:
         if (rule.bucket == bucket and (rule.m_max is None or m <= rule.m_max) and any(g in name for g in rule.gpus)
                 and (rule.k_max is None or (k is not None and k <= rule.k_max))
                 and (rule.k_min is None or (k is not None and k >= rule.k_min))
@@ -331,17 +350,21 @@ def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None) ->
 
 @lru_cache(maxsize=256)
 def default_config(
-    m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None, k: int | None = None
+    m: int, dtype: torch.dtype, i: int | None = None, device_index: int | None = None, k: int | None = None,
+    captured: bool = False,
 ) -> GatedGemmConfig:
     """The shipped config for M tokens (the hot path passes `m_bucket(M)`: one cache entry per
     bucket), I output columns and K input features on CUDA device `device_index` (None: the
     bucket table `_DEFAULTS`, whatever the device): the pointer kernel's, the one-token
     GEMV's where a shape rule gives a config with block_m == 1, or the TMA kernel's where it
-    gives one with programs_per_sm > 1 (`ShapeRule`)."""
+    gives one with programs_per_sm > 1, or the grid TMA kernel's where one with grid_boxes > 0
+    (`ShapeRule`). captured: the call is being captured into a CUDA graph (`_GRAPH_RULES` first)."""
     bucket = _bucket_key(_DEFAULTS, m)
     cfg = _DEFAULTS[bucket]
     if device_index is not None:
-        cfg = _shape_rule(_gpu_name(device_index), bucket, m, k, i) or cfg
+        name = _gpu_name(device_index)
+        cfg = ((_shape_rule(name, bucket, m, k, i, _GRAPH_RULES) if captured else None)
+               or _shape_rule(name, bucket, m, k, i) or cfg)
     if dtype == torch.float32:
         cfg = dataclasses.replace(cfg, block_k=max(16, cfg.block_k // 2))
     return cfg
@@ -473,7 +496,8 @@ def gated_gemm(
         kernel: "pointer" (this module's kernel), "tma" (`gated_gemm_tma`, Hopper, prefill),
             "grid" (`gated_gemm_tma_grid`, Hopper, one program per tile), "gemv" (`gated_gemv`,
             M = 1 and I % 16 == 0) or "auto": the kernel the shape rules name (`ShapeRule`: the
-            GEMV or the grid kernel at some shapes and M <= 128) where it can run, else TMA for
+            GEMV at M = 1 on some shapes; while a CUDA graph is captured, the grid kernel at
+            some shapes and M <= 128, `_GRAPH_RULES`) where it can run, else TMA for
             M >= TMA_MIN_M where `tma_supported`, else pointer.
         approx_tanh: evaluate silu and gelu_tanh with PTX `tanh.approx.f32` (see
             `_apply_activation`); None (default): `default_approx_tanh(x)`, i.e. for bf16/fp16
@@ -508,7 +532,8 @@ def gated_gemm(
         return _grid().gated_gemm_tma_grid(x, packed, code, approx_tanh, bias, out, cfg, two_dots=cfg.grid_boxes == 2)
     if kernel == "tma":
         return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, config or _tma_default(m_bucket(m)))
-    cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k)
+    captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    cfg = config or default_config(m_bucket(m), x.dtype, i, (x.device.index or 0) if x.is_cuda else None, k, captured)
     rule_tma = config is None and cfg.programs_per_sm > 1  # a shape rule's persistent TMA tile (M <= 64)
     if cfg.block_m == 1 and kernel == "pointer" and config is not None:
         raise ValueError("gated_gemm: a config with block_m=1 is the one-token GEMV's; "

@@ -84,3 +84,60 @@ def test_gated_gemm_routes_grid_configs(m):
     x32, g32, u32 = x.float(), gate.float(), up.float()
     out = gated_gemm(x32, pack_gate_up(g32, u32), "silu", config=TILES[0])
     check(out, x32, g32, u32, None, None, "silu")
+
+
+def test_graph_rules_apply_only_to_captured_calls(monkeypatch):
+    """`_GRAPH_RULES` (the grid kernel, H100) are consulted only for a call being captured into a
+    CUDA graph; an eager call keeps `_SHAPE_RULES`, and other GPUs have no graph rules."""
+    pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
+    q16, q32, q64, narrow64, big_k64, any64, narrow128 = (rule.config for rule in gg._GRAPH_RULES)
+    table64 = gg._for_bucket(gg._DEFAULTS, 64)
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
+    shapes = {"qwen2.5-7b": (18944, 3584), "llama-3-8b": (14336, 4096), "gemma-2-9b": (14336, 3584),
+              "llama-3-70b": (28672, 8192), "gemma-2-27b": (36864, 4608), "llama-3.2-1b": (8192, 2048)}
+    want = {(1, "qwen2.5-7b"): q16, (16, "qwen2.5-7b"): q16, (32, "qwen2.5-7b"): q32, (64, "qwen2.5-7b"): q64,
+            (64, "llama-3-8b"): narrow64, (64, "gemma-2-9b"): narrow64, (64, "llama-3-70b"): big_k64,
+            (64, "gemma-2-27b"): any64, (64, "llama-3.2-1b"): any64, (128, "llama-3-8b"): narrow128,
+            (128, "gemma-2-9b"): narrow128, (128, "llama-3.2-1b"): narrow128}
+    for m in (1, 16, 32, 64, 128, 256):
+        for name, (i, k) in shapes.items():
+            eager = pick(m, torch.bfloat16, i, 0, k)
+            assert eager.grid_boxes == 0, (m, name)
+            assert pick(m, torch.bfloat16, i, 0, k, True) == want.get((m, name), eager), (m, name)
+    assert pick(64, torch.bfloat16, 3584, 0, 8192, True) == table64  # a 70B tensor-parallel shard: not measured
+    assert all(c.grid_boxes in (1, 2) for c in (q16, q32, q64, narrow64, big_k64, any64, narrow128))
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
+    for m in (1, 32, 64, 128):
+        assert pick(m, torch.bfloat16, 18944, 0, 3584, True) == pick(m, torch.bfloat16, 18944, 0, 3584)
+
+
+@pytest.mark.skipif(not CUDA, reason="graph capture needs the GPU")
+def test_captured_call_runs_the_grid_rule(monkeypatch):
+    """kernel='auto' inside CUDA-graph capture runs the grid rule's tile on an H100 (and what
+    `_SHAPE_RULES` picks elsewhere); the replayed output matches float64; an eager call of the
+    same shape does not take the grid kernel."""
+    m, k, i = 64, 1024, 16400  # the Qwen2.5-7B rule's range (I > 16384, K <= 4096), I no multiple of 128
+    x, gate, up, bg, bu = make_case(m, k, i, torch.bfloat16, bias=True)
+    packed, bias = pack_gate_up(gate, up), pack_gate_up(bg, bu)
+    calls = []
+    real = gg._grid().gated_gemm_tma_grid
+    monkeypatch.setattr(gg._grid(), "gated_gemm_tma_grid", lambda *a, **kw: calls.append(a[-1]) or real(*a, **kw))
+    eager = gated_gemm(x, packed, "silu", bias)
+    check(eager, x, gate, up, bg, bu, "silu")
+    assert calls == []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        gated_gemm(x, packed, "silu", bias, config=gg.default_config(64, x.dtype, i, 0, k, True))
+    torch.cuda.current_stream().wait_stream(side)
+    calls.clear()
+    out = torch.full((m, i), float("nan"), dtype=x.dtype, device=DEVICE)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gated_gemm(x, packed, "silu", bias, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, x, gate, up, bg, bu, "silu")
+    h100 = "H100" in torch.cuda.get_device_name(0)
+    assert calls == ([gg.default_config(64, x.dtype, i, 0, k, True)] if h100 else [])

@@ -103,52 +103,46 @@ def test_config_per_gpu_and_shape(monkeypatch):
     from swiglu_patch.kernels import gated_gemm as gg
 
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
-    table, table32, table64 = (gg._for_bucket(gg._DEFAULTS, b) for b in (1, 32, 64))
-    (short_k, gemv_narrow_i, narrow_i, mid_wide_i_h200, grid16_qwen, grid32_qwen, grid32_narrow, grid32,
-     grid64_qwen, grid64_narrow, grid64_70b, grid64, grid128) = (rule.config for rule in gg._SHAPE_RULES)
+    table, table32 = gg._for_bucket(gg._DEFAULTS, 1), gg._for_bucket(gg._DEFAULTS, 32)
+    short_k, gemv_narrow_i, narrow_i, mid_wide_i, mid_wide_i_h200, tma_70b = (rule.config for rule in gg._SHAPE_RULES)
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
         monkeypatch.setattr(gg, "_gpu_name", lambda index, name=name: name)
         assert pick(1, torch.bfloat16, 8192, 0, 2048) == pick(16, torch.bfloat16, 18944, 0, 1536) == short_k
         assert pick(2, torch.bfloat16, 14336, 0, 4096) == pick(16, torch.bfloat16, 14336, 0, 3584) == narrow_i
+        assert pick(1, torch.bfloat16, 18944, 0, 3584) == table  # Qwen2.5-7B: wider I than the rule covers
         assert pick(1, torch.bfloat16, 28672, 0, 8192) == table  # Llama-3-70B
         assert pick(1, torch.bfloat16, 7168, 0, 8192) == narrow_i  # Llama-3-70B, 1 of 4 GPUs
         assert pick(1, torch.bfloat16, 3584, 0, 8192) == table  # 1 of 8 GPUs: below the rule's I
+        assert pick(32, torch.bfloat16, 14336, 0, 4096) == table32  # Llama-3-8B at M = 32: the table
+        assert pick(32, torch.bfloat16, 36864, 0, 4608) == table32  # Gemma-2-27B: K above the rule's
+        assert pick(64, torch.bfloat16, 18944, 0, 3584) == gg._for_bucket(gg._DEFAULTS, 64)
         assert pick(1, torch.bfloat16, 14336, None, 4096) == table  # no CUDA device: the bucket table
         assert pick(2, torch.float32, 14336, 0, 4096).block_k == narrow_i.block_k // 2
         # the GEMV at M = 1 on Llama-3-8B and Gemma-2-9B, not at M = 2 nor on a 70B tensor-parallel shard
         assert pick(1, torch.bfloat16, 14336, 0, 4096) == pick(1, torch.bfloat16, 14336, 0, 3584) == gemv_narrow_i
         assert gemv_narrow_i.block_m == 1 and pick(2, torch.bfloat16, 14336, 0, 4096) == narrow_i
-    # the H200 (patched in last): Qwen2.5-7B at 17 <= M <= 32 has its own tile; no grid rules there
+    # Qwen2.5-7B at 17 <= M <= 32: a tile per GPU (the H200 is patched in last)
     assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i_h200
-    assert pick(1, torch.bfloat16, 18944, 0, 3584) == table
-    assert pick(32, torch.bfloat16, 14336, 0, 4096) == table32 and pick(64, torch.bfloat16, 28672, 0, 8192) == table64
-    assert pick(128, torch.bfloat16, 14336, 0, 4096) == gg._for_bucket(gg._DEFAULTS, 128)
-    # the H100: the one-program-per-tile TMA kernel at 2 <= M <= 128 (M = 1 too on Qwen2.5-7B)
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
-    assert pick(1, torch.bfloat16, 18944, 0, 3584) == pick(16, torch.bfloat16, 18944, 0, 3584) == grid16_qwen
-    assert pick(16, torch.bfloat16, 36864, 0, 4608) == table  # Gemma-2-27B: the pointer tile stayed ahead
-    assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == grid32_qwen
-    assert pick(32, torch.bfloat16, 14336, 0, 4096) == pick(32, torch.bfloat16, 14336, 0, 3584) == grid32_narrow
-    assert pick(32, torch.bfloat16, 8192, 0, 2048) == pick(32, torch.bfloat16, 36864, 0, 4608) == grid32
-    assert pick(32, torch.bfloat16, 28672, 0, 8192) == grid32
-    assert pick(64, torch.bfloat16, 18944, 0, 3584) == grid64_qwen
-    assert pick(64, torch.bfloat16, 14336, 0, 4096) == pick(33, torch.bfloat16, 14336, 0, 3584) == grid64_narrow
-    assert pick(64, torch.bfloat16, 28672, 0, 8192) == grid64_70b
-    assert pick(64, torch.bfloat16, 8192, 0, 2048) == pick(64, torch.bfloat16, 36864, 0, 4608) == grid64
-    assert pick(128, torch.bfloat16, 14336, 0, 4096) == pick(128, torch.bfloat16, 8192, 0, 2048) == grid128
-    assert pick(128, torch.bfloat16, 18944, 0, 3584) == gg._for_bucket(gg._DEFAULTS, 128)  # wider I: TMA default
-    assert pick(256, torch.bfloat16, 14336, 0, 4096) == gg._for_bucket(gg._DEFAULTS, 256)  # M > 128
-    assert pick(64, torch.bfloat16, 3584, 0, 8192) == table64  # a 70B tensor-parallel shard: not measured
-    assert all(c.grid_boxes in (1, 2) for c in (grid16_qwen, grid32, grid64, grid128))
+    assert pick(32, torch.bfloat16, 18944, 0, 3584) == pick(24, torch.bfloat16, 18944, 0, 3584) == mid_wide_i
+    assert mid_wide_i != mid_wide_i_h200
+    # Llama-3-70B at 33 <= M <= 64 on the H100: the TMA tile with two programs per SM
+    table64 = gg._for_bucket(gg._DEFAULTS, 64)
+    assert pick(64, torch.bfloat16, 28672, 0, 8192) == pick(33, torch.bfloat16, 28672, 0, 8192) == tma_70b
+    assert tma_70b.programs_per_sm == 2
+    assert pick(32, torch.bfloat16, 28672, 0, 8192) != tma_70b  # bucket 32: not measured
+    assert pick(64, torch.bfloat16, 36864, 0, 4608) == table64  # Gemma-2-27B: K below the rule's
+    assert pick(64, torch.bfloat16, 18944, 0, 3584) == table64  # Qwen2.5-7B: the tile lost there
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
+    assert pick(64, torch.bfloat16, 28672, 0, 8192) == table64  # not measured on the H200
     monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     assert pick(1, torch.bfloat16, 14336, 0, 4096) == table  # no rule measured there
-    assert pick(64, torch.bfloat16, 14336, 0, 4096) == table64
 
 
 @pytest.mark.skipif(not CUDA, reason="shape rules apply on a CUDA device; the interpreter takes the bucket table")
 def test_auto_runs_the_kernel_a_shape_rule_names(monkeypatch):
-    """kernel='auto' without a config runs what `_SHAPE_RULES` picks for this GPU and shape (the grid
-    TMA kernel for a grid_boxes > 0 tile, the GEMV for block_m == 1, else the pointer kernel);
+    """kernel='auto' without a config runs what `_SHAPE_RULES` picks for this GPU and shape (the TMA
+    kernel for a programs_per_sm > 1 tile, the GEMV for block_m == 1, else the pointer kernel);
     kernel='pointer' without a config runs the bucket's pointer tile instead of raising."""
     from swiglu_patch.kernels import gated_gemm as gg
 
@@ -157,16 +151,16 @@ def test_auto_runs_the_kernel_a_shape_rule_names(monkeypatch):
     packed = pack_gate_up(gate, up)
     rule = gg.default_config(gg.m_bucket(m), x.dtype, i, 0, k)
     calls = []
-    real_grid = gg._grid().gated_gemm_tma_grid
-    monkeypatch.setattr(gg._grid(), "gated_gemm_tma_grid", lambda *a, **kw: calls.append(a[-1]) or real_grid(*a, **kw))
+    real_tma = gg._tma().gated_gemm_tma
+    monkeypatch.setattr(gg._tma(), "gated_gemm_tma", lambda *a, **kw: calls.append(a[-1]) or real_tma(*a, **kw))
     for kernel in ("auto", "pointer"):
         out = torch.full((m, i), float("nan"), dtype=x.dtype, device=DEVICE)
         gated_gemm(x, packed, "silu", out=out, kernel=kernel)
         check(out, x, gate, up, None, None, "silu")
-    grid_route = rule.grid_boxes > 0 and gg._use_tma(x, packed, out, min_m=1)
-    assert calls == ([rule] if grid_route else [])
+    tma_route = rule.programs_per_sm > 1 and gg._use_tma(x, packed, out, min_m=1)
+    assert calls == ([rule] if tma_route else [])
     if "H100" in torch.cuda.get_device_name(0):
-        assert grid_route  # the 70B rule (H100)
+        assert tma_route  # the 70B rule (H100)
     x1 = x[:1]
     out1 = torch.full((1, i), float("nan"), dtype=x.dtype, device=DEVICE)
     gated_gemm(x1, packed, "silu", out=out1, kernel="pointer")  # whatever rule covers M = 1
