@@ -19,7 +19,8 @@ from tests.test_gated_linear import CUDA, DEVICE, check, make_case
 DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Tiles small enough for the interpreter; on the GPU the shipped rules' tiles.
 TILES = [GatedGemmConfig(16, 32, 32, group_m=2), GatedGemmConfig(32, 16, 64, group_m=4, num_stages=2)] if not CUDA \
-    else [rule.config for rule in gg._SHAPE_RULES if rule.config.grid_boxes]
+    else [rule.config for rule in gg._GRAPH_RULES]
+assert TILES and all(rule.config.grid_boxes in (1, 2) for rule in gg._GRAPH_RULES)  # no test runs on an empty list
 # (M, K, I): one token; M and K no multiple of any block; I a multiple of 16 but of no wider block
 SHAPES = [(1, 64, 48), (37, 200, 80), (5, 96, 208)] if not CUDA else [(1, 1000, 1040), (37, 4104, 1040),
                                                                        (100, 1000, 2064)]
