@@ -3,7 +3,7 @@
     python -m swiglu_patch.evals.gemma3_run --out benchmarks/results/accuracy_gemma3_270m_cpu \\
         --limit 3000 --max-tokens 8192 --interpret-tokens 1024              # CPU (bf16), ~25 min
     python -m swiglu_patch.evals.gemma3_run --out benchmarks/results/accuracy_gemma3_270m_h100 \\
-        --device cuda --batch-size 16 --text-batch-size 8 --max-tokens 262144   # GPU, all 13,972
+        --device cuda --batch-size 8 --text-batch-size 8 --max-tokens 262144 --limit 6000   # GPU, ~4 min
 
 Everything offline, each input prepared once under --work-dir (default ~/.cache/swiglu_patch):
 

@@ -305,7 +305,7 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
               i_min=16385),
     # 17 <= M <= 32, I > 16384, K <= 4096 (Qwen2.5-7B): 32x(2*64)x128, 2 stages, two boxes: 0.948 /
     # 0.962 against 0.965 / 0.978 for the 2-stage pointer rule. On the other shapes the sweeps' gains
-    # (0-1.5%) did not hold in the bench (tune_grid_h100_bf16.json, mlp_grid_0960882/).
+    # (0-1.5%) did not hold in a bench run (benchmarks/results/mlp_raw/run0960882_*.json).
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
               i_min=16385, bucket=32),
     # 33 <= M <= 64, one box: Qwen2.5-7B 32x(2*64)x128 with 2 stages (two row tiles per weight tile):
@@ -324,7 +324,7 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
               i_min=8192, bucket=64, k_min=2048),
     # 65 <= M <= 128 with I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B): 128x(2*64)x64, 4 stages,
     # one box: 1.026 / 1.019, 1.014 / 1.013, 1.043 / 1.046 at M = 128 against 1.067 / 1.065, 1.057 /
-    # 1.058, 1.064 / 1.069 for the persistent 128x(2*128) tile, whose 112-128 tiles leave SMs idle
+    # 1.058, 1.064 / 1.069 for the persistent 128x(2*128) tile, whose 64-112 tiles leave SMs idle
     # there. It lost on the wider shapes (1.02-1.06 against 0.97-1.01).
     ShapeRule(("H100",), None, 16384, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4, grid_boxes=1),
               i_min=8192, bucket=8192, m_max=128, k_min=2048),
