@@ -4,7 +4,7 @@ Each config is first checked against float64 on sampled rows (a config that is w
 reported and never timed), then all configs of one (shape, M) are timed together with cuBLAS
 on the stacked weight (`gemm_only`) by `timing.GraphTimer` (CUDA-graph replays after a
 read-only L2 flush, interleaved in rounds). Prints, per M bucket, the config with the best
-geometric-mean ratio to `gemm_only` across shapes: the tables in `kernels/gated_gemm.py` are
+geometric-mean ratio to `gemm_only` across shapes: the tables in `kernels/configs.py` are
 copied from that output.
 
     python -m benchmarks.tune_kernel --out $OUT/tune [--shapes llama-3-8b ...] [--tokens 1 16 ...]
