@@ -76,51 +76,22 @@ class GraphTimer:
         else:
             self._flush_buf.zero_()
 
-    def _capture(self, fn: Fn):
-        """(replay callable, mode): a CUDA graph of one call of fn, or fn itself if it syncs or
-        fails to capture."""
+    def _graph_of(self, fn: Fn):
+        """(graph, fn's output in it, None), or (None, None, why) if fn syncs the host or fails
+        to capture. fn is first run twice on a side stream (compile, autotune), as
+        torch.cuda.graphs asks, with host syncs turned into errors."""
         torch = self.torch
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         previous = torch.cuda.get_sync_debug_mode()
         try:
-            with torch.cuda.stream(side):  # warm up on a side stream, as torch.cuda.graphs asks
+            with torch.cuda.stream(side):
                 torch.cuda.set_sync_debug_mode("error")
                 for _ in range(2):
                     fn()
         except RuntimeError as e:  # a host sync: a graph cannot hold it
             torch.cuda.synchronize()
-            return fn, f"eager (host sync: {str(e)[:120]})"
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
-        except Exception as e:  # noqa: BLE001  (an uncapturable way is still timed, without a graph)
-            torch.cuda.synchronize()
-            return fn, f"eager ({type(e).__name__}: {str(e)[:120]})"
-        torch.cuda.synchronize()
-        return graph.replay, "graph"
-
-    def replayed_output(self, fn: Fn):
-        """fn's output as one replay of a CUDA graph of one call computes it (the path `many`
-        times: kernels can choose differently while a graph is captured), the output set to NaN
-        before the replay so an element the replay does not write shows; None if fn cannot be
-        captured (`many` then times it eagerly, and its eager output is the one to check)."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        previous = torch.cuda.get_sync_debug_mode()
-        try:
-            with torch.cuda.stream(side):  # compile and autotune outside the capture; no host syncs
-                torch.cuda.set_sync_debug_mode("error")
-                fn()
-        except RuntimeError:  # a host sync: no graph (see `_capture`)
-            torch.cuda.synchronize()
-            return None
+            return None, None, f"host sync: {str(e)[:120]}"
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(side)
@@ -129,12 +100,29 @@ class GraphTimer:
         try:
             with torch.cuda.graph(graph):
                 out = fn()
-        except Exception:  # noqa: BLE001  (uncapturable: timed eagerly, checked eagerly)
+        except Exception as e:  # noqa: BLE001  (an uncapturable way is still timed, without a graph)
             torch.cuda.synchronize()
+            return None, None, f"{type(e).__name__}: {str(e)[:120]}"
+        torch.cuda.synchronize()
+        return graph, out, None
+
+    def _capture(self, fn: Fn):
+        """(replay callable, mode): a CUDA graph of one call of fn, or fn itself if it syncs or
+        fails to capture."""
+        graph, _, why = self._graph_of(fn)
+        return (graph.replay, "graph") if graph is not None else (fn, f"eager ({why})")
+
+    def replayed_output(self, fn: Fn):
+        """fn's output as one replay of a CUDA graph of one call computes it (the path `many`
+        times: kernels can choose differently while a graph is captured), the output set to NaN
+        before the replay so an element the replay does not write shows; None if fn cannot be
+        captured (`many` then times it eagerly, and its eager output is the one to check)."""
+        graph, out, _ = self._graph_of(fn)
+        if graph is None:
             return None
         out.fill_(float("nan"))
         graph.replay()
-        torch.cuda.synchronize()
+        self.torch.cuda.synchronize()
         return out
 
     def _timed(self, replay: Fn, n: int) -> list[float]:

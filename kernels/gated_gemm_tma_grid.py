@@ -83,7 +83,7 @@ def _gated_gemm_tma_grid_kernel(
     GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
 ):
-    """Host-built TMA descriptors."""
+    """Host-built TMA descriptors (w_desc and w3_desc: the same one, whichever TWO_DOTS reads)."""
     _grid_tile(x_desc, w_desc, w3_desc, out_desc, b_ptr, M, I, K, HAS_BIAS, ACTIVATION, APPROX_TANH, TWO_DOTS,
                GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M)
 
@@ -145,10 +145,13 @@ def gated_gemm_tma_grid(
         _gated_gemm_tma_grid_devdesc_kernel[grid](
             x, packed, out, b, m, i, k, x.stride(0), packed.stride(0), out.stride(0), **meta)
         return out
-    row = packed.stride(0)
-    w3 = packed.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
+    if two_dots:  # only the weight descriptor the kernel reads: each costs host time per launch
+        row = packed.stride(0)
+        w3 = packed.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
+        w_desc = TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk])
+    else:
+        w_desc = TensorDescriptor.from_tensor(packed, [2 * bn, bk])
     _gated_gemm_tma_grid_kernel[grid](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(packed, [2 * bn, bk]),
-        TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), b, m, i, k, **meta)
+        TensorDescriptor.from_tensor(x, [bm, bk]), w_desc, w_desc, TensorDescriptor.from_tensor(out, [bm, bn]),
+        b, m, i, k, **meta)
     return out
