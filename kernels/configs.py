@@ -209,7 +209,6 @@ def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None,
     return None
 
 
-
 # The TMA kernel's tiles per M bucket (block_n = output columns: the weight box is 2 * block_n
 # rows) and the M from which it runs; H100 bf16 sweeps of `benchmarks.tune_kernel`
 # (benchmarks/results/tune_h100_bf16_graph.json, tune_streamk_h100_bf16.json): up to M = 64 the
@@ -232,5 +231,5 @@ TMA_MIN_M = 65
 
 # The GEMV's config when a call names kernel="gemv" without one (block_m, num_stages unused).
 GEMV_DEFAULT = GatedGemmConfig(1, 16, 256, num_warps=4, num_stages=1)
-# The grid kernel's config when a call names kernel="grid" without one with grid_boxes set.
+# The grid kernel's config when a call names kernel="grid" without a config.
 GRID_DEFAULT = GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=1)

@@ -18,9 +18,10 @@ tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
 unaligned strides), the persistent Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M)
-or, where a shape rule says so, the one-token GEMV of `gated_gemv.py` or the one-program-per-tile
-TMA kernel of `gated_gemm_tma_grid.py` (H100, M <= 128), each with a fixed config per M bucket
-(at M <= 128 also per GPU and shape, `_SHAPE_RULES`) measured by `benchmarks/tune_kernel.py`.
+or, where a shape rule says so, the one-token GEMV of `gated_gemv.py` or (calls captured into
+a CUDA graph on an H100, M <= 128) the one-program-per-tile TMA kernel of `gated_gemm_tma_grid.py`,
+each with a fixed config per M bucket and, at small M, per GPU and shape (`configs.py`:
+`_SHAPE_RULES`, `_GRAPH_RULES`) measured by `benchmarks/tune_kernel.py`.
 """
 
 from __future__ import annotations
@@ -182,8 +183,6 @@ def _tma_default(m: int) -> GatedGemmConfig:
     return _for_bucket(_TMA_DEFAULTS, m)
 
 
-
-
 @lru_cache(maxsize=8)
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device: the persistent kernels' program count."""
@@ -217,8 +216,6 @@ def _gemv():
     from . import gated_gemv
 
     return gated_gemv
-
-
 
 
 def _use_tma(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor, min_m: int = TMA_MIN_M) -> bool:
