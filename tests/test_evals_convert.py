@@ -94,3 +94,12 @@ def test_parse_local_data(tmp_path):
         parse_local_data(["a"])
     with pytest.raises(EvalSetupError, match="does not exist"):
         parse_local_data([f"a={tmp_path / 'nope'}"])
+
+
+def test_gemma3_run_gguf_option_names_a_missing_file(tmp_path):
+    """`gemma3_run --gguf FILE` converts that file; a path that is not a file fails before anything loads."""
+    from swiglu_patch.evals.gemma3_run import gemma_checkpoint
+
+    with pytest.raises(FileNotFoundError, match=r"--gguf .*missing\.gguf: no such file"):
+        gemma_checkpoint(tmp_path, "float32", tmp_path / "missing.gguf")
+    assert not (tmp_path / "gemma-3-270m-float32").exists()
