@@ -13,7 +13,11 @@ directly on the GPU in bf16, run under torch.inference_mode(), SDPA attention.
   `generate` runs for the prompt), P = 4096 and 8192; tokens/s = P / median time.
 - decode: `generate` with greedy decoding and min_new_tokens = max_new_tokens = 128 (random
   weights would otherwise stop at EOS) on [B, 128] prompts, B = 1 and 32. decode tokens/s =
-  B * 127 / (t(128 new) - t(1 new)): the prompt and the first token are subtracted.
+  B * 127 / (t(128 new) - t(1 new)): the prompt and the first token are subtracted. Without a
+  CUDA graph this step is bound by the host's Python, not the GPU.
+- decode with the step captured in a CUDA graph (`decode_graph.py`: static KV cache, one replay
+  per token, as a serving engine or torch.compile's reduce-overhead mode runs it), the same
+  prompts: tokens/s = B / (GPU time per step). Here the GPU time decides.
 
 Two copies of the model are built from one seed, one of them patched; every measurement
 times the two in turns (eager, patched, eager, ...), so drift of the host's speed, which
@@ -153,6 +157,30 @@ def measure(models: dict, args: argparse.Namespace, device: torch.device, vocab:
                 "generate_tokens_per_s": batch * new / t_n,
                 "tokens": tokens[0].tolist(),
             })
+        out = _decode_graph(models, args, ids, out)
+    return out
+
+
+def _decode_graph(models: dict, args: argparse.Namespace, ids: torch.Tensor, out: dict) -> dict:
+    """Decode tokens/s with the step captured in a CUDA graph (`decode_graph.GraphDecoder`) for
+    the [B, prompt] ids, the modes timed in turns; on CPU (dry run) the step runs uncaptured."""
+    from .decode_graph import GraphDecoder
+
+    new, batch = args.new_tokens, ids.shape[0]
+    decoders = {mode: GraphDecoder(m, ids, new, capture=ids.is_cuda) for mode, m in models.items()}
+    steps: dict = {mode: [] for mode in models}
+    tokens = {mode: d.run()[0][0].tolist() for mode, d in decoders.items()}  # warm-up
+    for _ in range(args.reps):
+        for mode, d in decoders.items():
+            steps[mode].append(d.run()[1] / (new - 1))
+    for mode in models:
+        step_s = statistics.median(steps[mode])
+        generated = next(r["tokens"] for r in out[mode]["decode"] if r["batch"] == batch)
+        out[mode].setdefault("decode_graph", []).append({
+            "batch": batch, "new_tokens": new, "step_ms": step_s * 1e3, "decode_tokens_per_s": batch / step_s,
+            "tokens": tokens[mode], "same_tokens_as_generate": tokens[mode] == generated,
+        })
+    del decoders
     return out
 
 
@@ -241,6 +269,25 @@ def render_markdown(data: dict) -> str:
         ratio = p["decode_tokens_per_s"] / e["decode_tokens_per_s"] if e["decode_tokens_per_s"] and p["decode_tokens_per_s"] else None
         lines.append(f"| {e['batch']} | {_f(e['decode_tokens_per_s'], '.1f')} | {_f(p['decode_tokens_per_s'], '.1f')} | "
                      f"{_f(ratio, '.3f')}{'x' if ratio else ''} | {e['generate_tokens_per_s']:.1f} | {p['generate_tokens_per_s']:.1f} |")
+    graph = list(zip(data["eager"].get("decode_graph", []), data["patched"].get("decode_graph", [])))
+    if graph:
+        lines += [
+            "",
+            f"## Decode, the step captured in a CUDA graph (static KV cache, greedy, {data['settings']['new_tokens']} "
+            "new tokens)",
+            "",
+            "`benchmarks/decode_graph.py`: the prompt runs as one forward, then one graph replay per token; step time "
+            "= CUDA-event time of the replays / (new - 1), median of the reps. Same tokens as `generate`: whether the "
+            "graph decode's greedy tokens (first sequence) equal the `generate` run's above.",
+            "",
+            "| batch | eager ms/step | patched ms/step | eager tok/s | patched tok/s | speedup | same tokens as generate "
+            "(eager, patched) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for e, p in graph:
+            lines.append(f"| {e['batch']} | {e['step_ms']:.3f} | {p['step_ms']:.3f} | {e['decode_tokens_per_s']:.1f} | "
+                         f"{p['decode_tokens_per_s']:.1f} | {p['decode_tokens_per_s'] / e['decode_tokens_per_s']:.3f}x | "
+                         f"{e['same_tokens_as_generate']}, {p['same_tokens_as_generate']} |")
     lines += [
         "",
         "## Agreement of patched with eager",
@@ -249,6 +296,8 @@ def render_markdown(data: dict) -> str:
         f"{a['rel_logit_diff']:.2e}, top-1 agreement {a['top1_agree']:.4f}",
         "- greedy tokens of the decode runs identical (first sequence, per batch size): "
         + ", ".join(str(x) for x in a["greedy_identical"]),
+        *([f"- the same in the CUDA-graph decode: {', '.join(str(e['tokens'] == p['tokens']) for e, p in graph)}"]
+          if graph else []),
         "",
         "```",
         data["patch_report"],
