@@ -28,6 +28,7 @@ class GatedGemmConfig:
     split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
     programs_per_sm: int = 1  # TMA kernel only: persistent programs per SM (2: two share an SM, if they fit)
     grid_boxes: int = 0  # 1 or 2: the one-program-per-tile TMA kernel (`gated_gemm_tma_grid`) with this many weight boxes
+    tail_split: int = 1  # pointer kernel, one row tile: tiles after the last whole wave run as this many narrower ones
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""
@@ -89,7 +90,7 @@ def _for_bucket(table: dict[int, GatedGemmConfig], m: int) -> GatedGemmConfig:
 @dataclass(frozen=True)
 class ShapeRule:
     """The config for the M bucket `bucket` (a `_DEFAULTS` key: 16 is M <= 16, 32 is
-    17 <= M <= 32), M <= m_max, on a GPU whose name holds one of `gpus`, for
+    17 <= M <= 32), m_min <= M <= m_max, on a GPU whose name holds one of `gpus`, for
     k_min <= K <= k_max and i_min <= I <= i_max (None: any). A config with block_m == 1 runs
     the one-token GEMV (`gated_gemv.py`), one with grid_boxes > 0 the one-program-per-tile TMA
     kernel (`gated_gemm_tma_grid.py`, where `tma_supported`), one with programs_per_sm > 1 the
@@ -104,6 +105,7 @@ class ShapeRule:
     bucket: int = 16
     m_max: int | None = None
     k_min: int | None = None
+    m_min: int | None = None
 
 
 # Shape rules, first match wins; a call no rule covers takes its bucket's `_DEFAULTS` entry.
@@ -157,6 +159,35 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
 # benchmarks/results/overhead/launch_overhead_decode_h100_0960882.json), which a host-bound eager
 # decode step would pay on every layer; a graph pays it once, at capture.
 _GRAPH_RULES: tuple[ShapeRule, ...] = (
+    # H200 (one sweep, benchmarks/results/tune_graph/tune_grid_h200_bf16.json: 32 grid tiles x 2 box
+    # layouts against the shipped tile and Liger, M = 2..128; geometric means of the ratio to cuBLAS
+    # over M = 2, 8, 16 for bucket 16). Where the H100's rules above say "H100", "H200" the H200's
+    # best tile was the same (or within 0.5%); these are the H200's own:
+    # M = 2..16 (the GEMV keeps M = 1), 2048 < K <= 4096, 14336 <= I <= 16384 (Llama-3-8B,
+    # Gemma-2-9B): 16x(2*128)x128, 3 stages, one box: 1.002 / 0.994 against 1.055 / 1.042 for the
+    # pointer tile, Liger 1.008 on Llama-3-8B.
+    ShapeRule(("H200",), 4096, 16384, GatedGemmConfig(16, 128, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
+              i_min=14336, k_min=2049, m_min=2),
+    # M <= 16, 4096 < K < 8192, I > 16384 (Gemma-2-27B): 16x(2*64)x128, 2 stages, two boxes: 0.988
+    # against 1.005. (Llama-3-70B: the best grid tile 0.961 against 0.965: no rule.)
+    ShapeRule(("H200",), 8191, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
+              i_min=16385, k_min=4097),
+    # 17 <= M <= 32, 4096 < K < 8192, I > 16384 (Gemma-2-27B): 32x(2*64)x128, 2 stages, one box:
+    # 1.000 against 1.027.
+    ShapeRule(("H200",), 8191, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
+              i_min=16385, k_min=4097, bucket=32),
+    # 17 <= M <= 32, 2048 < K <= 4096 and 14336 <= I <= 16384 (Llama-3-8B, Gemma-2-9B), or K >= 8192
+    # and I > 16384 (Llama-3-70B): 32x(2*128)x128, 3 stages, two boxes: 0.996 / 0.999 / 0.990 against
+    # 1.051 / 1.055 / 1.037 (Liger 0.983 / - / 0.982).
+    ShapeRule(("H200",), 4096, 16384, GatedGemmConfig(32, 128, 128, group_m=4, num_warps=4, num_stages=3,
+                                                      grid_boxes=2), i_min=14336, k_min=2049, bucket=32),
+    ShapeRule(("H200",), None, None, GatedGemmConfig(32, 128, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=2),
+              i_min=16385, k_min=8192, bucket=32),
+    # 33 <= M <= 64, K < 8192, I > 16384 (Qwen2.5-7B, Gemma-2-27B): 64x(2*64)x64, 3 stages, one box:
+    # 0.939 / 0.992 against 1.080 / 1.029 (Liger 1.005 on Qwen2.5-7B); the H100's 32-row Qwen tile
+    # 0.983 here.
+    ShapeRule(("H200",), 8191, None, GatedGemmConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
+              i_min=16385, bucket=64),
     # H100, M <= 128: the TMA kernel with one program per tile (`gated_gemm_tma_grid`, grid_boxes =
     # weight boxes per K step), from two interleaved sweeps of it against the shipped tile and Liger
     # (benchmarks/results/tune_graph/tune_grid_h100_bf16.json, tune_gridpick_h100_bf16.json; ratios
@@ -167,13 +198,13 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # M <= 16, I > 16384, K <= 4096 (Qwen2.5-7B): 16x(2*64)x128, 2 stages, gate and up as two boxes:
     # 0.953 / 0.936 / 0.936-0.933 at M = 2 / 8 / 16, the pointer tile 0.965 / 0.955 / 0.945-0.940.
     # On the other shapes the pointer tiles stayed ahead (by 0.3-2.5%).
-    ShapeRule(("H100",), 4096, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
-              i_min=16385),
+    ShapeRule(("H100", "H200"), 4096, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                            grid_boxes=2), i_min=16385),
     # 17 <= M <= 32, I > 16384, K <= 4096 (Qwen2.5-7B): 32x(2*64)x128, 2 stages, two boxes: 0.948 /
     # 0.962 against 0.965 / 0.978 for the 2-stage pointer rule. On the other shapes the sweeps' gains
     # (0-1.5%) did not hold in a bench run (benchmarks/results/mlp_raw/run0960882_*.json).
-    ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=2),
-              i_min=16385, bucket=32),
+    ShapeRule(("H100", "H200"), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                            grid_boxes=2), i_min=16385, bucket=32),
     # 33 <= M <= 64, one box: Qwen2.5-7B 32x(2*64)x128 with 2 stages (two row tiles per weight tile):
     # 0.956 / 0.954 against 1.012 / 1.011 for the pointer tile, Liger 0.964 / 0.960. 64x(2*64)x128
     # with 2 stages on Llama-3-8B, Gemma-2-9B and Llama-3-70B (0.965 / 0.960, 0.969 / 0.971, 0.942 /
@@ -182,25 +213,28 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # against 0.980 / 0.981), where 2 stages lost 3-9%.
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
               i_min=16385, bucket=64),
-    ShapeRule(("H100",), 4096, 16384, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
-              i_min=8192, bucket=64, k_min=2049),
-    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
-              i_min=16385, bucket=64, k_min=8192),
-    ShapeRule(("H100",), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
-              i_min=8192, bucket=64, k_min=2048),
+    ShapeRule(("H100", "H200"), 4096, 16384, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                             grid_boxes=1), i_min=8192, bucket=64, k_min=2049),
+    ShapeRule(("H100", "H200"), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                            grid_boxes=1), i_min=16385, bucket=64, k_min=8192),
+    # (H200: Qwen2.5-7B and Gemma-2-27B take the H200 rule above; this one is Llama-3.2-1B's there.)
+    ShapeRule(("H100", "H200"), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=3,
+                                                            grid_boxes=1), i_min=8192, bucket=64, k_min=2048),
     # 65 <= M <= 128 with I <= 16384 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B): 128x(2*64)x64, 4 stages,
     # one box: 1.026 / 1.019, 1.014 / 1.013, 1.043 / 1.046 at M = 128 against 1.067 / 1.065, 1.057 /
     # 1.058, 1.064 / 1.069 for the persistent 128x(2*128) tile, whose 64-112 tiles leave SMs idle
     # there. It lost on the wider shapes (1.02-1.06 against 0.97-1.01).
-    ShapeRule(("H100",), None, 16384, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4, grid_boxes=1),
-              i_min=8192, bucket=8192, m_max=128, k_min=2048),
+    ShapeRule(("H100", "H200"), None, 16384, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4,
+                                                             grid_boxes=1), i_min=8192, bucket=8192, m_max=128,
+              k_min=2048),
 )
 
 
 def _shape_rule(name: str, bucket: int, m: int, k: int | None, i: int | None,
                 rules: tuple[ShapeRule, ...] = _SHAPE_RULES) -> GatedGemmConfig | None:
     for rule in rules:
-        if (rule.bucket == bucket and (rule.m_max is None or m <= rule.m_max) and any(g in name for g in rule.gpus)
+        if (rule.bucket == bucket and (rule.m_max is None or m <= rule.m_max)
+                and (rule.m_min is None or m >= rule.m_min) and any(g in name for g in rule.gpus)
                 and (rule.k_max is None or (k is not None and k <= rule.k_max))
                 and (rule.k_min is None or (k is not None and k >= rule.k_min))
                 and (rule.i_max is None or (i is not None and i <= rule.i_max))

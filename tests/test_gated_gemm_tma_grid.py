@@ -87,34 +87,59 @@ def test_gated_gemm_routes_grid_configs(m):
     check(out, x32, g32, u32, None, None, "silu")
 
 
-def test_graph_rules_apply_only_to_captured_calls(monkeypatch):
-    """`_GRAPH_RULES` (the grid kernel, H100) are consulted only for a call being captured into a
-    CUDA graph; an eager call keeps `_SHAPE_RULES`, and other GPUs have no graph rules."""
+def _grid(bm, bn, bk, stages, boxes, group_m=4):
+    return GatedGemmConfig(bm, bn, bk, group_m=group_m, num_warps=4, num_stages=stages, grid_boxes=boxes)
+
+
+SHAPES_KI = {"qwen2.5-7b": (18944, 3584), "llama-3-8b": (14336, 4096), "gemma-2-9b": (14336, 3584),
+             "llama-3-70b": (28672, 8192), "gemma-2-27b": (36864, 4608), "llama-3.2-1b": (8192, 2048)}
+# What a captured call runs per (M, shape), written out from the sweeps the rules cite; a pair
+# not listed runs what an eager call runs.
+_Q16, _Q32, _N64, _A64, _N128 = (_grid(16, 64, 128, 2, 2), _grid(32, 64, 128, 2, 2), _grid(64, 64, 128, 2, 1),
+                                 _grid(64, 64, 128, 3, 1), _grid(128, 64, 64, 4, 1, group_m=8))
+GRAPH_PICKS = {
+    "H100": {(1, "qwen2.5-7b"): _Q16, (16, "qwen2.5-7b"): _Q16, (32, "qwen2.5-7b"): _Q32,
+             (64, "qwen2.5-7b"): _grid(32, 64, 128, 2, 1), (64, "llama-3-8b"): _N64, (64, "gemma-2-9b"): _N64,
+             (64, "llama-3-70b"): _N64, (64, "gemma-2-27b"): _A64, (64, "llama-3.2-1b"): _A64,
+             (128, "llama-3-8b"): _N128, (128, "gemma-2-9b"): _N128, (128, "llama-3.2-1b"): _N128},
+    "H200": {(1, "qwen2.5-7b"): _Q16, (16, "qwen2.5-7b"): _Q16, (32, "qwen2.5-7b"): _Q32,
+             (16, "llama-3-8b"): _grid(16, 128, 128, 3, 1), (16, "gemma-2-9b"): _grid(16, 128, 128, 3, 1),
+             (1, "gemma-2-27b"): _grid(16, 64, 128, 2, 2), (16, "gemma-2-27b"): _grid(16, 64, 128, 2, 2),
+             (32, "gemma-2-27b"): _grid(32, 64, 128, 2, 1), (32, "llama-3-8b"): _grid(32, 128, 128, 3, 2),
+             (32, "gemma-2-9b"): _grid(32, 128, 128, 3, 2), (32, "llama-3-70b"): _grid(32, 128, 128, 3, 2),
+             (64, "qwen2.5-7b"): _grid(64, 64, 64, 3, 1), (64, "gemma-2-27b"): _grid(64, 64, 64, 3, 1),
+             (64, "llama-3-8b"): _N64, (64, "gemma-2-9b"): _N64, (64, "llama-3-70b"): _N64,
+             (64, "llama-3.2-1b"): _A64, (128, "llama-3-8b"): _N128, (128, "gemma-2-9b"): _N128,
+             (128, "llama-3.2-1b"): _N128},
+}
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+def test_graph_rules_apply_only_to_captured_calls(monkeypatch, gpu):
+    """`_GRAPH_RULES` (the grid kernel) are consulted only for a call being captured into a CUDA
+    graph, and give each GPU the tiles its sweep picked; an eager call keeps `_SHAPE_RULES`
+    (the GEMV at M = 1 on Llama-3-8B / Gemma-2-9B, captured or not); other GPUs have none."""
     pick = gg.default_config.__wrapped__  # uncached: the GPU name is patched below
-    q16, q32, q64, narrow64, big_k64, any64, narrow128 = (rule.config for rule in gg._GRAPH_RULES)
-    table64 = gg._for_bucket(gg._DEFAULTS, 64)
-    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H100 80GB HBM3")
-    shapes = {"qwen2.5-7b": (18944, 3584), "llama-3-8b": (14336, 4096), "gemma-2-9b": (14336, 3584),
-              "llama-3-70b": (28672, 8192), "gemma-2-27b": (36864, 4608), "llama-3.2-1b": (8192, 2048)}
-    want = {(1, "qwen2.5-7b"): q16, (16, "qwen2.5-7b"): q16, (32, "qwen2.5-7b"): q32, (64, "qwen2.5-7b"): q64,
-            (64, "llama-3-8b"): narrow64, (64, "gemma-2-9b"): narrow64, (64, "llama-3-70b"): big_k64,
-            (64, "gemma-2-27b"): any64, (64, "llama-3.2-1b"): any64, (128, "llama-3-8b"): narrow128,
-            (128, "gemma-2-9b"): narrow128, (128, "llama-3.2-1b"): narrow128}
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: gpu)
+    want = GRAPH_PICKS[gpu.split()[1]]
     for m in (1, 16, 32, 64, 128, 256):
-        for name, (i, k) in shapes.items():
+        for name, (i, k) in SHAPES_KI.items():
             eager = pick(m, torch.bfloat16, i, 0, k)
             assert eager.grid_boxes == 0, (m, name)
             assert pick(m, torch.bfloat16, i, 0, k, True) == want.get((m, name), eager), (m, name)
+    assert pick(1, torch.bfloat16, 14336, 0, 4096, True).block_m == 1  # the GEMV
+    table64 = gg._for_bucket(gg._DEFAULTS, 64)
     assert pick(64, torch.bfloat16, 3584, 0, 8192, True) == table64  # a 70B tensor-parallel shard: not measured
-    assert all(c.grid_boxes in (1, 2) for c in (q16, q32, q64, narrow64, big_k64, any64, narrow128))
-    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA H200")
+    assert {c for rule in gg._GRAPH_RULES for c in [rule.config]} == set(GRAPH_PICKS["H100"].values()) | set(
+        GRAPH_PICKS["H200"].values())  # every rule is reached by a measured shape
+    monkeypatch.setattr(gg, "_gpu_name", lambda index: "NVIDIA A100-SXM4-80GB")
     for m in (1, 32, 64, 128):
         assert pick(m, torch.bfloat16, 18944, 0, 3584, True) == pick(m, torch.bfloat16, 18944, 0, 3584)
 
 
 @pytest.mark.skipif(not CUDA, reason="graph capture needs the GPU")
 def test_captured_call_runs_the_grid_rule(monkeypatch):
-    """kernel='auto' inside CUDA-graph capture runs the grid rule's tile on an H100 (and what
+    """kernel='auto' inside CUDA-graph capture runs the grid rule's tile on an H100 or H200 (and what
     `_SHAPE_RULES` picks elsewhere); the replayed output matches float64; an eager call of the
     same shape does not take the grid kernel."""
     m, k, i = 64, 1024, 16400  # the Qwen2.5-7B rule's range (I > 16384, K <= 4096), I no multiple of 128
@@ -140,5 +165,5 @@ def test_captured_call_runs_the_grid_rule(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     check(out, x, gate, up, bg, bu, "silu")
-    h100 = "H100" in torch.cuda.get_device_name(0)
-    assert calls == ([gg.default_config(64, x.dtype, i, 0, k, True)] if h100 else [])
+    hopper = any(g in torch.cuda.get_device_name(0) for g in ("H100", "H200"))  # the GPUs with graph rules
+    assert calls == ([gg.default_config(64, x.dtype, i, 0, k, True)] if hopper else [])
