@@ -343,16 +343,6 @@ def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[st
         _tma_split_off_and_on(TMA_DECODE_SMALL_M_CONFIGS)
 
 
-def decode_tail_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
-    """At M <= 16: what a captured call ships, then the pointer kernel's decode tiles whole and
-    with the tiles after the last whole wave split in 2 and 4 (`GatedGemmConfig.tail_split`)."""
-    tiles = dict.fromkeys([default_config(16, dtype, i, torch.cuda.current_device(), k),
-                           GatedGemmConfig(16, 64, 256, num_stages=3), GatedGemmConfig(16, 32, 256, num_stages=4)])
-    return [(f"shipped {_shipped(m, k, i, dtype)}", dict(kernel="auto"))] + [
-        (f"ptr {c}", dict(kernel="pointer", config=c)) for t in tiles for s in (1, 2, 4) if t.block_n // s >= 16
-        for c in [dataclasses.replace(t, tail_split=s)]]
-
-
 def tail_variants(m: int) -> list[tuple[str, dict]]:
     """The shipped TMA tile for m's bucket and a 128x(2*64) one, each with the last partial wave
     run whole, stream-K, split into narrower tiles, or either (stream-K where > 80% idle)."""
@@ -382,7 +372,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="*", default=["ptr", "tma", "gemv", "shipped", "grid"],
                     help="variant label prefixes to time")
     ap.add_argument("--variants", choices=["all", "tail", "mid", "midocc", "paired", "tmaocc", "decode", "gemv", "grid",
-                                                "gridpick", "decodetail"],
+                                                "gridpick"],
                     default="all",
                     help="all: every candidate tile; tail: last-wave handling of the shipped tiles; "
                          "mid: TMA tiles against the pointer kernel at 17 <= M <= 64; "
@@ -392,8 +382,7 @@ def main() -> None:
                          "grid: TMA tiles with one program per tile, one or two weight boxes; "
                          "gridpick: the best grid tiles per bucket, host and device descriptors; "
                          "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
-                         "decode: persistent TMA tiles against the pointer kernel at M <= 16; "
-                         "decodetail: the pointer kernel's decode tiles with the last wave split (tail_split)")
+                         "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--with-liger", action="store_true",
                     help="time Liger's gemm_swiglu (SiLU shapes) in each row too, as config 'liger'")
@@ -425,8 +414,7 @@ def main() -> None:
                         decode=lambda m: decode_variants(m, k, i, dtype),
                         gemv=lambda m: gemv_variants(m, k, i, dtype),
                         grid=lambda m: grid_variants(m, k, i, dtype),
-                        gridpick=lambda m: grid_pick_variants(m, k, i, dtype),
-                        decodetail=lambda m: decode_tail_variants(m, k, i, dtype))[args.variants]
+                        gridpick=lambda m: grid_pick_variants(m, k, i, dtype))[args.variants]
             for label, kw in pick(m):
                 if not any(label.startswith(prefix) for prefix in args.kernels):
                     continue

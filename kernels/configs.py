@@ -28,7 +28,6 @@ class GatedGemmConfig:
     split_tail: bool = False  # TMA kernel only: run a last wave that fits in half the SMs as narrower tiles
     programs_per_sm: int = 1  # TMA kernel only: persistent programs per SM (2: two share an SM, if they fit)
     grid_boxes: int = 0  # 1 or 2: the one-program-per-tile TMA kernel (`gated_gemm_tma_grid`) with this many weight boxes
-    tail_split: int = 1  # pointer kernel, one row tile: tiles after the last whole wave run as this many narrower ones
 
     def meta(self) -> dict:
         """The kernel's tile meta-parameters."""

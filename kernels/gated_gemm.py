@@ -93,17 +93,29 @@ def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
 
 
 @triton.jit
-def _pointer_tile(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, I, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_oi,
-    pid_m, col0,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+def _gated_gemm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, I, K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_om, stride_oi,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    GATE_UP_BLOCK: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
 ):
-    """Output tile out[pid_m * BM:+BM, col0:+BN] (col0 a multiple of 16: whole gate/up blocks)."""
+    # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
+    num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
+    pid_m, pid_n = _tile_pid(tl.program_id(0), GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), num_pid_m, GROUP_SIZE_M)
+
     # -- which packed rows hold this tile's gate and up rows --
     offs_m = (pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)).to(tl.int64)
-    offs_i = col0 + tl.arange(0, BLOCK_SIZE_N)
+    offs_i = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     block_start = (offs_i // GATE_UP_BLOCK) * GATE_UP_BLOCK
     width = tl.minimum(I - block_start, GATE_UP_BLOCK)
     gate_rows = (offs_i + block_start).to(tl.int64)  # 2 * block_start + (offs_i - block_start)
@@ -137,50 +149,6 @@ def _pointer_tile(
     h = _apply_activation(acc_gate, ACTIVATION, APPROX_TANH) * acc_up  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
-
-
-@triton.jit
-def _gated_gemm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, I, K,
-    stride_xm, stride_xk,
-    stride_wn, stride_wk,
-    stride_om, stride_oi,
-    whole_tiles,
-    HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    APPROX_TANH: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    GATE_UP_BLOCK: tl.constexpr,
-    BLOCK_SIZE_M: tl.constexpr,
-    BLOCK_SIZE_N: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr,
-    GROUP_SIZE_M: tl.constexpr,
-    TAIL_SPLIT: tl.constexpr,
-):
-    """One program per output tile. TAIL_SPLIT > 1 (one row tile, M <= BLOCK_SIZE_M): programs
-    0 .. whole_tiles - 1 run whole BLOCK_SIZE_N-column tiles, each later one a tile of
-    BLOCK_SIZE_N // TAIL_SPLIT columns, so the last wave's work comes in smaller pieces."""
-    pid = tl.program_id(0)
-    if TAIL_SPLIT > 1:
-        if pid < whole_tiles:
-            _pointer_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          stride_om, stride_oi, 0, pid * BLOCK_SIZE_N,
-                          HAS_BIAS, ACTIVATION, APPROX_TANH, INPUT_PRECISION, GATE_UP_BLOCK,
-                          BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
-        else:
-            TAIL_N: tl.constexpr = BLOCK_SIZE_N // TAIL_SPLIT
-            _pointer_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                          stride_om, stride_oi, 0, whole_tiles * BLOCK_SIZE_N + (pid - whole_tiles) * TAIL_N,
-                          HAS_BIAS, ACTIVATION, APPROX_TANH, INPUT_PRECISION, GATE_UP_BLOCK,
-                          BLOCK_SIZE_M, TAIL_N, BLOCK_SIZE_K)
-    else:
-        # tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2
-        pid_m, pid_n = _tile_pid(pid, GROUP_SIZE_M * tl.cdiv(I, BLOCK_SIZE_N), tl.cdiv(M, BLOCK_SIZE_M), GROUP_SIZE_M)
-        _pointer_tile(x_ptr, w_ptr, b_ptr, out_ptr, M, I, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                      stride_om, stride_oi, pid_m, pid_n * BLOCK_SIZE_N,
-                      HAS_BIAS, ACTIVATION, APPROX_TANH, INPUT_PRECISION, GATE_UP_BLOCK,
-                      BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
 
 
 @lru_cache(maxsize=8)
@@ -283,7 +251,7 @@ def _launch_meta(cfg: GatedGemmConfig, code: int, approx_tanh: bool, has_bias: b
     """The pointer kernel's constexpr and launch keywords (built once per combination)."""
     return dict(
         HAS_BIAS=has_bias, ACTIVATION=code, APPROX_TANH=approx_tanh, INPUT_PRECISION=precision,
-        GATE_UP_BLOCK=GATE_UP_BLOCK, TAIL_SPLIT=cfg.tail_split, **cfg.meta(),
+        GATE_UP_BLOCK=GATE_UP_BLOCK, **cfg.meta(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -364,31 +332,13 @@ def gated_gemm(
             return _tma().gated_gemm_tma(x, packed, code, approx_tanh, bias, out, cfg)
     if cfg.block_m == 1 or rule_tma or (config is None and cfg.grid_boxes):
         cfg = default_config(m_bucket(m), x.dtype)  # the rule's kernel cannot run this call: the bucket's tile
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n)
-    whole, programs = _tail_split(cfg, m, tiles, x)
-    if programs == tiles and cfg.tail_split > 1:
-        cfg = dataclasses.replace(cfg, tail_split=1)  # nothing to split: one compiled variant fewer
-    _gated_gemm_fwd_kernel[(programs,)](
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(i, cfg.block_n),)
+    _gated_gemm_fwd_kernel[grid](
         x, packed, bias if bias is not None else packed, out,
         m, i, k,
         x.stride(0), x.stride(1),
         packed.stride(0), packed.stride(1),
         out.stride(0), out.stride(1),
-        whole,
         **_launch_meta(cfg, code, approx_tanh, bias is not None, _input_precision(x.dtype)),
     )
     return out
-
-
-def _tail_split(cfg: GatedGemmConfig, m: int, tiles: int, x: torch.Tensor) -> tuple[int, int]:
-    """(whole tiles, programs) of a pointer-kernel launch: with cfg.tail_split = S > 1 and one
-    row tile, the tiles after the last whole wave (one program per SM: the CPU interpreter
-    counts 4 SMs) run as S programs of block_n // S columns each."""
-    if cfg.tail_split <= 1 or m > cfg.block_m:
-        return tiles, tiles
-    if cfg.block_n % cfg.tail_split or cfg.block_n // cfg.tail_split < 16:
-        raise ValueError(f"gated_gemm: tail_split {cfg.tail_split} must divide block_n {cfg.block_n} into tiles of "
-                         ">= 16 columns")
-    sms = num_sms(x.device.index or 0) if x.is_cuda else 4
-    whole = tiles - tiles % sms
-    return whole, whole + (tiles - whole) * cfg.tail_split
