@@ -160,8 +160,8 @@ _SHAPE_RULES: tuple[ShapeRule, ...] = (
 _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # H200 (one sweep, benchmarks/results/tune_graph/tune_grid_h200_bf16.json: 32 grid tiles x 2 box
     # layouts against the shipped tile and Liger, M = 2..128; geometric means of the ratio to cuBLAS
-    # over M = 2, 8, 16 for bucket 16). Where the H100's rules above say "H100", "H200" the H200's
-    # best tile was the same (or within 0.5%); these are the H200's own:
+    # over M = 2, 8, 16 for bucket 16). Where a rule below names both GPUs, the H200's best tile was
+    # the H100's (Gemma-2-9B at M = 64: within 0.1%); these are the H200's own:
     # M = 2..16 (the GEMV keeps M = 1), 2048 < K <= 4096, 14336 <= I <= 16384 (Llama-3-8B,
     # Gemma-2-9B): 16x(2*128)x128, 3 stages, one box: 1.002 / 0.994 against 1.055 / 1.042 for the
     # pointer tile, Liger 1.008 on Llama-3-8B.
@@ -187,8 +187,8 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # 0.983 here.
     ShapeRule(("H200",), 8191, None, GatedGemmConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
               i_min=16385, bucket=64),
-    # H100, M <= 128: the TMA kernel with one program per tile (`gated_gemm_tma_grid`, grid_boxes =
-    # weight boxes per K step), from two interleaved sweeps of it against the shipped tile and Liger
+    # H100 (and the H200 where a rule names it), M <= 128: the TMA kernel with one program per tile
+    # (`gated_gemm_tma_grid`, grid_boxes = weight boxes per K step), from two interleaved sweeps of it against the shipped tile and Liger
     # (benchmarks/results/tune_graph/tune_grid_h100_bf16.json, tune_gridpick_h100_bf16.json; ratios
     # to cuBLAS, first sweep / second). Its programs hold 1-2 stages of shared memory, so 2-3 of them
     # share an SM and the hardware scheduler balances the weight read across the SMs to the end; the
@@ -197,11 +197,13 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # M <= 16, I > 16384, K <= 4096 (Qwen2.5-7B): 16x(2*64)x128, 2 stages, gate and up as two boxes:
     # 0.953 / 0.936 / 0.936-0.933 at M = 2 / 8 / 16, the pointer tile 0.965 / 0.955 / 0.945-0.940.
     # On the other shapes the pointer tiles stayed ahead (by 0.3-2.5%).
+    # H200: 0.914 against 0.978 for the pointer tile (M = 2-16), Liger 0.982.
     ShapeRule(("H100", "H200"), 4096, None, GatedGemmConfig(16, 64, 128, group_m=4, num_warps=4, num_stages=2,
                                                             grid_boxes=2), i_min=16385),
     # 17 <= M <= 32, I > 16384, K <= 4096 (Qwen2.5-7B): 32x(2*64)x128, 2 stages, two boxes: 0.948 /
     # 0.962 against 0.965 / 0.978 for the 2-stage pointer rule. On the other shapes the sweeps' gains
     # (0-1.5%) did not hold in a bench run (benchmarks/results/mlp_raw/run0960882_*.json).
+    # H200: 0.913 against 1.020 for the pointer rule's tile, Liger 0.960.
     ShapeRule(("H100", "H200"), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2,
                                                             grid_boxes=2), i_min=16385, bucket=32),
     # 33 <= M <= 64, one box: Qwen2.5-7B 32x(2*64)x128 with 2 stages (two row tiles per weight tile):
@@ -212,6 +214,8 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # against 0.980 / 0.981), where 2 stages lost 3-9%.
     ShapeRule(("H100",), 4096, None, GatedGemmConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=2, grid_boxes=1),
               i_min=16385, bucket=64),
+    # H200, these three: Llama-3-8B 0.982, Gemma-2-9B 0.973, Llama-3-70B 0.995, Llama-3.2-1B 1.011
+    # against 1.024, 1.008, 1.030 and 1.035 for the pointer tile.
     ShapeRule(("H100", "H200"), 4096, 16384, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
                                                              grid_boxes=1), i_min=8192, bucket=64, k_min=2049),
     ShapeRule(("H100", "H200"), None, None, GatedGemmConfig(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
@@ -223,6 +227,8 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     # one box: 1.026 / 1.019, 1.014 / 1.013, 1.043 / 1.046 at M = 128 against 1.067 / 1.065, 1.057 /
     # 1.058, 1.064 / 1.069 for the persistent 128x(2*128) tile, whose 64-112 tiles leave SMs idle
     # there. It lost on the wider shapes (1.02-1.06 against 0.97-1.01).
+    # H200: 1.009 / 1.063 / 1.068 (Llama-3.2-1B, Llama-3-8B, Gemma-2-9B) against 1.111 / 1.125 / 1.125
+    # for the persistent 64x(2*64) tile; on the wider shapes it lost there too (1.07-1.21 against 1.00-1.12).
     ShapeRule(("H100", "H200"), None, 16384, GatedGemmConfig(128, 64, 64, group_m=8, num_warps=4, num_stages=4,
                                                              grid_boxes=1), i_min=8192, bucket=8192, m_max=128,
               k_min=2048),

@@ -19,7 +19,7 @@ tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so.
 `gated_gemm` is the entry point: it runs this pointer kernel (decode, fp32, partial blocks,
 unaligned strides), the persistent Hopper TMA kernel of `gated_gemm_tma.py` (M >= TMA_MIN_M)
 or, where a shape rule says so, the one-token GEMV of `gated_gemv.py` or (calls captured into
-a CUDA graph on an H100, M <= 128) the one-program-per-tile TMA kernel of `gated_gemm_tma_grid.py`,
+a CUDA graph on an H100 or H200, M <= 128) the one-program-per-tile TMA kernel of `gated_gemm_tma_grid.py`,
 each with a fixed config per M bucket and, at small M, per GPU and shape (`configs.py`:
 `_SHAPE_RULES`, `_GRAPH_RULES`) measured by `benchmarks/tune_kernel.py`.
 """
