@@ -188,9 +188,9 @@ _GRAPH_RULES: tuple[ShapeRule, ...] = (
     ShapeRule(("H200",), 8191, None, GatedGemmConfig(64, 64, 64, group_m=4, num_warps=4, num_stages=3, grid_boxes=1),
               i_min=16385, bucket=64),
     # H100 (and the H200 where a rule names it), M <= 128: the TMA kernel with one program per tile
-    # (`gated_gemm_tma_grid`, grid_boxes = weight boxes per K step), from two interleaved sweeps of it against the shipped tile and Liger
-    # (benchmarks/results/tune_graph/tune_grid_h100_bf16.json, tune_gridpick_h100_bf16.json; ratios
-    # to cuBLAS, first sweep / second). Its programs hold 1-2 stages of shared memory, so 2-3 of them
+    # (`gated_gemm_tma_grid`, grid_boxes = weight boxes per K step), from two interleaved sweeps of
+    # it against the shipped tile and Liger (benchmarks/results/tune_graph/tune_grid_h100_bf16.json,
+    # tune_gridpick_h100_bf16.json; ratios to cuBLAS, first sweep / second). Its programs hold 1-2 stages of shared memory, so 2-3 of them
     # share an SM and the hardware scheduler balances the weight read across the SMs to the end; the
     # persistent and pointer tiles it replaces run one program per SM. Bounds: the shapes measured
     # (K 2048-8192, I 8192-36864).

@@ -345,6 +345,8 @@ def test_e2e_dry_run_and_render(tmp_path):
     for mode in ("eager", "patched"):
         assert [p["prompt"] for p in data[mode]["prefill"]] == [16, 32]
         assert all(d["generated"] == d["new_tokens"] for d in data[mode]["decode"])  # min_new_tokens held
+        assert [(g["batch"], len(g["tokens"])) for g in data[mode]["decode_graph"]] == [(1, 4), (2, 4)]
+        assert all(g["step_ms"] > 0 for g in data[mode]["decode_graph"])
     assert data["agreement"]["top1_agree"] > 0.5
     md = (tmp_path / "results.md").read_text()
     (tmp_path / "results.md").unlink()
