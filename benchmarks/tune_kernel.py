@@ -317,24 +317,16 @@ GEMV_CONFIGS = [  # all at <= 128 registers per thread (sm_90, Triton 3.6): 2-6 
 
 
 def gemv_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
-    """At M <= 4: the pointer tile of this GPU and shape's M <= 16 rules against the GEMV's tiles
-    (the shipped one first where a rule picks the GEMV; 2-4 tokens: `_gated_gemv_tokens_kernel`,
-    with smaller K steps too, its fp32 tile growing with the tokens)."""
+    """At M = 1: the pointer tile of this GPU and shape's M <= 16 rules against the GEMV's tiles
+    (the shipped one first where a rule picks the GEMV)."""
     dev = torch.cuda.current_device()
     shipped = default_config(m_bucket(m), dtype, i, dev, k)
     table = default_config(16, dtype, i, dev, k)  # the pointer tile the M <= 16 rules give
     out = [(f"ptr {table}", dict(kernel="pointer", config=table))]
-    if m <= 4:
-        extra = GEMV_TOKEN_CONFIGS if m > 1 else []
-        out += [(f"gemv {c}", dict(kernel="gemv", config=c)) for c in dict.fromkeys([shipped, *GEMV_CONFIGS, *extra])
+    if m == 1:
+        out += [(f"gemv {c}", dict(kernel="gemv", config=c)) for c in dict.fromkeys([shipped, *GEMV_CONFIGS])
                 if c.block_m == 1]
     return out
-
-
-GEMV_TOKEN_CONFIGS = [GatedGemmConfig(1, 16, 32, num_warps=2, num_stages=1),
-                      GatedGemmConfig(1, 16, 64, num_warps=4, num_stages=1),
-                      GatedGemmConfig(1, 32, 32, num_warps=4, num_stages=1),
-                      GatedGemmConfig(1, 32, 64, num_warps=8, num_stages=1)]
 
 
 def decode_variants(m: int, k: int, i: int, dtype: torch.dtype) -> list[tuple[str, dict]]:
@@ -389,7 +381,7 @@ def main() -> None:
                          "tmaocc: 32-row TMA tiles with 1-4 persistent programs per SM; "
                          "grid: TMA tiles with one program per tile, one or two weight boxes; "
                          "gridpick: the best grid tiles per bucket, host and device descriptors; "
-                         "gemv: the GEMV against the shipped pointer tile at M <= 4; "
+                         "gemv: the one-token GEMV against the shipped pointer tile at M = 1; "
                          "decode: persistent TMA tiles against the pointer kernel at M <= 16")
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--with-liger", action="store_true",

@@ -303,8 +303,7 @@ def gated_gemm(
                          "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
     if kernel == "gemv":
         if not _gemv().gemv_supported(x, packed):
-            raise ValueError(f"gated_gemm: kernel='gemv' needs 1 <= M <= {_gemv().GEMV_MAX_TOKENS} and "
-                             f"I % {GATE_UP_BLOCK} == 0, "
+            raise ValueError(f"gated_gemm: kernel='gemv' needs M == 1 and I % {GATE_UP_BLOCK} == 0, "
                              f"got M={m}, I={i}; use kernel='auto'")
         return _gemv().gated_gemv(x, packed, code, approx_tanh, bias, out, config or GEMV_DEFAULT)
     if kernel == "grid":

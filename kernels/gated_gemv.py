@@ -68,54 +68,9 @@ def _gated_gemv_kernel(
     tl.store(out_ptr + offs_i * stride_oi, h.to(out_ptr.dtype.element_ty), mask=offs_i < I)
 
 
-@triton.jit
-def _gated_gemv_tokens_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, I, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_oi,
-    HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    APPROX_TANH: tl.constexpr,
-    GATE_UP_BLOCK: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    BLOCK_SIZE_K: tl.constexpr,
-    TOKENS: tl.constexpr,
-):
-    """`_gated_gemv_kernel` for 2 <= M <= TOKENS tokens: each weight tile loaded once, multiplied
-    by every token's inputs into a [TOKENS, ROWS, BLOCK_SIZE_K] fp32 tile, reduced over K once."""
-    ROWS: tl.constexpr = BLOCKS * 2 * GATE_UP_BLOCK
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    mask_r = rows < 2 * I
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    offs_t = tl.arange(0, TOKENS)
-    mask_t = offs_t < M
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [ROWS, BLOCK_SIZE_K]
-    x_ptrs = x_ptr + offs_t[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [TOKENS, BLOCK_SIZE_K]
-    acc3d = tl.zeros((TOKENS, ROWS, BLOCK_SIZE_K), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_SIZE_K)):
-        mask_k = offs_k < K - k * BLOCK_SIZE_K
-        xk = tl.load(x_ptrs, mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=mask_r[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        acc3d += w[None, :, :] * xk[:, None, :]
-        w_ptrs += BLOCK_SIZE_K * stride_wk
-        x_ptrs += BLOCK_SIZE_K * stride_xk
-    acc = tl.sum(acc3d, axis=2)  # [TOKENS, ROWS]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows, mask=mask_r, other=0.0).to(tl.float32)[None, :]
-    acc = tl.permute(tl.reshape(acc, (TOKENS, BLOCKS, 2, GATE_UP_BLOCK)), (0, 1, 3, 2))
-    gate, up = tl.split(tl.reshape(acc, (TOKENS, BLOCKS * GATE_UP_BLOCK, 2)))  # [TOKENS, BLOCKS * 16] each
-    h = _apply_activation(gate, ACTIVATION, APPROX_TANH) * up
-    offs_i = tl.program_id(0) * (BLOCKS * GATE_UP_BLOCK) + tl.arange(0, BLOCKS * GATE_UP_BLOCK)
-    out_ptrs = out_ptr + offs_t[:, None] * stride_om + offs_i[None, :] * stride_oi
-    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & (offs_i < I)[None, :])
-
-
-GEMV_MAX_TOKENS = 4  # the few-token GEMV's limit: its fp32 tile grows with the tokens
-
-
 def gemv_supported(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `gated_gemv` can run this call: at most GEMV_MAX_TOKENS tokens, whole gate/up blocks."""
-    return 1 <= x.shape[0] <= GEMV_MAX_TOKENS and (packed.shape[0] // 2) % GATE_UP_BLOCK == 0
+    """Whether `gated_gemv` can run this call: one token, whole gate/up blocks."""
+    return x.shape[0] == 1 and (packed.shape[0] // 2) % GATE_UP_BLOCK == 0
 
 
 def gated_gemv(
@@ -133,20 +88,10 @@ def gated_gemv(
     blocks), block_k inputs per step, num_warps; block_m and num_stages are ignored.
     """
     i = packed.shape[0] // 2
-    m, k = x.shape
+    k = x.shape[1]
     if config.block_n % GATE_UP_BLOCK:
         raise ValueError(f"gated_gemv: block_n {config.block_n} is not a multiple of {GATE_UP_BLOCK}")
     grid = (triton.cdiv(i, config.block_n),)
-    if m > 1:
-        _gated_gemv_tokens_kernel[grid](
-            x, packed, bias if bias is not None else packed, out,
-            m, i, k,
-            x.stride(0), x.stride(1), packed.stride(0), packed.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=bias is not None, ACTIVATION=activation_code, APPROX_TANH=approx_tanh,
-            GATE_UP_BLOCK=GATE_UP_BLOCK, BLOCKS=config.block_n // GATE_UP_BLOCK, BLOCK_SIZE_K=config.block_k,
-            TOKENS=triton.next_power_of_2(m), num_warps=config.num_warps, num_stages=1,
-        )
-        return out
     _gated_gemv_kernel[grid](
         x, packed, bias if bias is not None else packed, out,
         i, k,
