@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from swiglu_patch import is_patched
 from swiglu_patch.evals.errors import EvalSetupError
-from noisy_patcher import NoisyPatcher
+from helpers import NoisyPatcher
 from swiglu_patch.evals.patching import IdentityPatcher, Patcher
 from swiglu_patch.evals.report import token_verdict
 from swiglu_patch.evals.token_agreement import _cast_floating, compare_tokens, make_windows, special_prefix

@@ -18,7 +18,7 @@ from swiglu_patch import apply_fused_mlp, unpatch
 TEXT = Path(__file__).parent / "data" / "austen_pride_and_prejudice_ch1.txt"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -12,49 +12,10 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import ACTS, CUDA, DEVICE, KERNEL_DTYPES, check, make_case, reference64, rel_err
 
 from swiglu_patch import gated_linear, pack_gate_up
 from swiglu_patch.kernels.gated_gemm import GatedGemmConfig, gated_gemm
-
-CUDA = torch.cuda.is_available()
-ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
-EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
-KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-DEVICE = "cuda" if CUDA else "cpu"
-
-
-def make_case(m, k, i, dtype, bias, device=DEVICE):
-    """Fresh random inputs; gate/up scaled so pre-activations are O(1)."""
-    x = torch.randn(m, k, device=device).to(dtype)
-    gate = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
-    up = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
-    bg = torch.randn(i, device=device).to(dtype) if bias else None
-    bu = torch.randn(i, device=device).to(dtype) if bias else None
-    return x, gate, up, bg, bu
-
-
-def reference64(x, gate, up, bg, bu, act):
-    g = x.double() @ gate.double().T + (bg.double() if bg is not None else 0)
-    u = x.double() @ up.double().T + (bu.double() if bu is not None else 0)
-    return ACTS[act](g) * u
-
-
-def torch_same_dtype(x, gate, up, bg, bu, act):
-    return ACTS[act](F.linear(x, gate, bg)) * F.linear(x, up, bu)
-
-
-def rel_err(y, ref):
-    return ((y.double() - ref).norm() / ref.norm()).item()
-
-
-def check(ours, x, gate, up, bg, bu, act):
-    ref = reference64(x, gate, up, bg, bu, act)
-    assert ours.shape == ref.shape and ours.dtype == x.dtype
-    assert torch.isfinite(ours).all(), "non-finite output (unwritten element or overflow)"
-    bound = 2 * rel_err(torch_same_dtype(x, gate, up, bg, bu, act), ref) + EPS[x.dtype]
-    assert rel_err(ours, ref) <= bound, f"error {rel_err(ours, ref):.3g} > bound {bound:.3g}"
-
 
 SHAPES = [(1, 64, 48), (7, 50, 37), (199, 130, 100)] + ([(4096, 256, 200)] if CUDA else [])
 

@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval")
 
 from swiglu_patch import is_patched  # noqa: E402
 from swiglu_patch.evals.errors import EvalSetupError  # noqa: E402
-from noisy_patcher import NoisyPatcher  # noqa: E402
+from helpers import NoisyPatcher  # noqa: E402
 from swiglu_patch.evals.patching import IdentityPatcher  # noqa: E402
 from swiglu_patch.evals.runner import run_eval  # noqa: E402
 from swiglu_patch.evals.tiny_model import build_tiny_llama, save_tiny_llama  # noqa: E402

@@ -14,7 +14,7 @@ from swiglu_patch.kernels import gated_gemm as gg
 from swiglu_patch.kernels.activations import ACTIVATION_CODES
 from swiglu_patch.kernels.gated_gemm import GatedGemmConfig, gated_gemm
 from swiglu_patch.kernels.gated_gemm_tma_grid import gated_gemm_tma_grid
-from tests.test_gated_linear import CUDA, DEVICE, check, make_case
+from helpers import CUDA, DEVICE, check, make_case
 
 DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Tiles small enough for the interpreter; on the GPU the shipped rules' tiles.

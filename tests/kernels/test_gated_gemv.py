@@ -8,7 +8,7 @@ import torch
 
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.gated_gemm import GatedGemmConfig, gated_gemm
-from test_gated_linear import DEVICE, KERNEL_DTYPES, check, make_case
+from helpers import DEVICE, KERNEL_DTYPES, check, make_case
 
 # (K, I, block_n, block_k): K no multiple of block_k, I no multiple of block_n, one block only
 CASES = [(72, 48, 32, 32), (100, 96, 64, 64), (64, 16, 32, 16), (130, 80, 16, 128)]

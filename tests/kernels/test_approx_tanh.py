@@ -12,7 +12,7 @@ import torch
 from swiglu_patch import pack_gate_up
 from swiglu_patch.kernels.gated_gemm import default_approx_tanh, gated_gemm, interpreting
 
-from test_gated_linear import CUDA, DEVICE, check, make_case
+from helpers import CUDA, DEVICE, check, make_case
 
 
 def test_default_is_exact_for_fp32_and_on_cpu():

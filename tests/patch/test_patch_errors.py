@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 

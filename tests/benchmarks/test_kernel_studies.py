@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers import rel_err
 
 from swiglu_patch import pack_gate_up
 
@@ -22,10 +23,6 @@ def _case(m: int, k: int, i: int):
     gate = (torch.randn(i, k, device=DEVICE) / k**0.5).to(DTYPE)
     up = (torch.randn(i, k, device=DEVICE) / k**0.5).to(DTYPE)
     return x, gate, up
-
-
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 @pytest.mark.parametrize("variant", ["mufu", "fdiv", "newton", "none"] if CUDA else ["fdiv", "none"])
@@ -44,7 +41,7 @@ def test_epilogue_variants_compute_what_they_claim(variant, tmp_path):
         mod.gated_gemm(x, pack_gate_up(gate, up), act, out=out, approx_tanh=False)  # the `_sigmoid` path
         g, u = x.double() @ gate.double().T, x.double() @ up.double().T
         ref = 0.5 * g * u if variant == "none" else ACTIVATIONS[act](g) * u
-        assert _rel(out, ref) < 5e-3, (variant, act)
+        assert rel_err(out, ref) < 5e-3, (variant, act)
 
 
 def test_epilogue_variant_refuses_a_changed_kernel(tmp_path, monkeypatch):
@@ -94,7 +91,7 @@ def test_report_renders_a_saved_run():
 
     from benchmarks.decode_timeline import report
 
-    path = Path(__file__).parent.parent / "benchmarks/results/decode_timeline/decode_timeline_bfloat16.json"
+    path = Path(__file__).resolve().parents[2] / "benchmarks/results/decode_timeline/decode_timeline_bfloat16.json"
     text = report(json.loads(path.read_text()), "abc1234")
     assert "| llama-3-8b | ours traced |" in text and "1/8" in text and "commit abc1234" in text
 
@@ -129,7 +126,7 @@ def test_epilogue_sass_counts_the_mufu_ops_each_variant_claims():
         pytest.skip(f"this Triton install has no bundled cuobjdump/ptxas in {bin_dir}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "benchmarks.epilogue_sass", "--activation", "silu"],
-                         capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=600)
+                         capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     mufu = {}
     for line in out.stdout.splitlines():

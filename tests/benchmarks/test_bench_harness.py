@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 from benchmarks import bench_e2e, bench_mlp, ways
 from benchmarks.accuracy import REL_ERR_BOUNDS, Reference, activation_f64, check_rows, rel_error
-from benchmarks.report_mlp import GOALS, derived, render_markdown
+from benchmarks.report_mlp import GOALS, derived
 from benchmarks.roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
 from benchmarks.shapes import SHAPES, TOKENS, select_shapes
 from benchmarks.timing import CpuTimer, GraphTimer, gpu_timer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- shape table

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import TINY_CONFIGS, tiny_model
+from helpers import TINY_CONFIGS, tiny_model
 from transformers import AutoModelForCausalLM
 
 from swiglu_patch import FusedGatedMLP, apply_fused_mlp, is_patched, unpatch

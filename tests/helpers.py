@@ -1,0 +1,119 @@
+"""Shared test helpers: relative error against a float64 reference, tiny random-init models
+(one per family in the registry), and a noisy patcher for the eval harness's tests.
+
+Tiny models: 2 layers, hidden 64, real structure.
+
+intermediate_size 72 is not a multiple of the layout's block of 16, so the last gate/up
+block of every MLP is partial. initializer_range 0.2 (HF's default is 0.02) makes the MLPs
+move the logits enough that a wrong MLP shows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from swiglu_patch.evals.patching import Patcher
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (Frobenius norm over all elements)."""
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+_COMMON = dict(
+    hidden_size=64, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=128, max_position_embeddings=128, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(hidden_act="silu"),
+    "mistral": dict(hidden_act="silu", sliding_window=32),
+    "gemma": dict(hidden_act="gelu_pytorch_tanh", head_dim=16),
+    "gemma2": dict(hidden_activation="gelu_pytorch_tanh", head_dim=16, sliding_window=32, query_pre_attn_scalar=16),
+    "gemma3_text": dict(hidden_activation="gelu_pytorch_tanh", head_dim=16, sliding_window=32, query_pre_attn_scalar=16),
+    "qwen2": dict(hidden_act="silu"),
+    "qwen3": dict(hidden_act="silu", head_dim=16),
+    "phi3": dict(hidden_act="silu"),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    return AutoConfig.for_model(model_type, **(_COMMON | TINY_CONFIGS[model_type] | overrides))
+
+
+def tiny_model(model_type: str, dtype=torch.float32, device="cpu", **overrides):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=dtype)
+    return model.to(device).eval()
+
+
+# -- kernel checks against float64 ------------------------------------------------------------
+# Pass rule (quack's): ours is within twice the error of PyTorch's own same-dtype computation
+# (two GEMMs, act, mul, as HF eager does) plus a small per-dtype epsilon.
+
+CUDA = torch.cuda.is_available()
+ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
+EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def make_case(m, k, i, dtype, bias, device=DEVICE):
+    """Fresh random inputs; gate/up scaled so pre-activations are O(1)."""
+    x = torch.randn(m, k, device=device).to(dtype)
+    gate = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
+    up = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
+    bg = torch.randn(i, device=device).to(dtype) if bias else None
+    bu = torch.randn(i, device=device).to(dtype) if bias else None
+    return x, gate, up, bg, bu
+
+
+def reference64(x, gate, up, bg, bu, act):
+    g = x.double() @ gate.double().T + (bg.double() if bg is not None else 0)
+    u = x.double() @ up.double().T + (bu.double() if bu is not None else 0)
+    return ACTS[act](g) * u
+
+
+def torch_same_dtype(x, gate, up, bg, bu, act):
+    return ACTS[act](F.linear(x, gate, bg)) * F.linear(x, up, bu)
+
+
+def check(ours, x, gate, up, bg, bu, act):
+    ref = reference64(x, gate, up, bg, bu, act)
+    assert ours.shape == ref.shape and ours.dtype == x.dtype
+    assert torch.isfinite(ours).all(), "non-finite output (unwritten element or overflow)"
+    bound = 2 * rel_err(torch_same_dtype(x, gate, up, bg, bu, act), ref) + EPS[x.dtype]
+    assert rel_err(ours, ref) <= bound, f"error {rel_err(ours, ref):.3g} > bound {bound:.3g}"
+
+
+# -- the eval harness's negative control ----------------------------------------------------
+
+class NoisyPatcher(Patcher):
+    """The real patch plus noise on `gate_up_interleaved`; `restore` undoes both."""
+
+    name = "perturbed"
+
+    def __init__(self, scale: float, seed: int = 0):
+        super().__init__(backend="torch")
+        self.scale, self.seed, self.saved, self.applied = scale, seed, [], 0
+
+    def apply(self, model):
+        text = super().apply(model)
+        gen = torch.Generator().manual_seed(self.seed)
+        for m in model.modules():
+            w = getattr(m, "gate_up_interleaved", None)
+            if isinstance(w, torch.Tensor):
+                self.saved.append((w, w.detach().clone()))
+                noise = torch.randn(w.shape, generator=gen).to(w.dtype)
+                w.data.add_(noise * self.scale * w.float().std().to(w.dtype))
+        if not self.saved:
+            raise AssertionError("no gate_up_interleaved found: the patch did not apply")
+        self.applied += 1
+        return text + " + noise"
+
+    def restore(self, model):
+        for w, orig in self.saved:
+            w.data.copy_(orig)
+        self.saved = []
+        super().restore(model)
