@@ -154,3 +154,28 @@ DEFAULT_CONFIGS: dict[str, C] = {
     "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
     "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
 }
+
+
+# -- training: the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue ----
+# Its own table, read by `dispatch.gated_backward` the same way (first match whose kernel can
+# run the tensors; the last rule matches every call). Kernels: `gated_backward_pointer.py`,
+# `gated_backward_tma.py`. The forward of training (the gated GEMM that also stores the
+# pre-activation) takes `RULES`, skipping kernels without a STORE_PREACT path.
+
+BACKWARD_KERNELS = ("backward_pointer", "backward_tma")
+PREACT_KERNELS = ("pointer", "tma")
+
+BACKWARD_RULES: tuple[Rule, ...] = (
+    Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,
+         m=(129, None),
+         why="dH tile 128x128 (one wgmma N=128) reading a [128, 256] P tile in two [128, 128] boxes; 4 stages "
+             "fit with the epilogue's boxes (214 KB shared, 165 registers, no spills, Triton 3.6 for sm_90); "
+             "not yet timed"),
+    Rule("backward_tma", C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER,
+         m=(65, 128), why="64-row tiles where M is too small for 128-row tiles to fill the SMs; not yet timed"),
+    Rule("backward_pointer", C(16, 32, 64, num_warps=4, num_stages=3), m=(None, 16),
+         why="few tokens: the Wd read bounds the call; not yet timed"),
+    Rule("backward_pointer", C(64, 64, 64, num_warps=4, num_stages=3), m=(17, 128), why="not yet timed"),
+    Rule("backward_pointer", C(128, 64, 64, num_warps=8, num_stages=3), m=(129, None),
+         why="pre-Hopper or unaligned: a 128x64 dH tile, two loads of P per element; not yet timed"),
+)
