@@ -213,13 +213,17 @@ def liger_modules(row: Row, config, eager) -> dict:
     classes = ([("liger_swiglu (LigerSwiGLUMLP)", "liger_kernel.transformers.swiglu", "LigerSwiGLUMLP"),
                 ("liger_mlp (LigerMLP)", "liger_kernel.transformers.mlp", "LigerMLP")] if row.act == "silu" else
                [("liger_geglu (LigerGEGLUMLP)", "liger_kernel.transformers.geglu", "LigerGEGLUMLP")])
+    weight = eager.gate_proj.weight
     for name, module_name, cls in classes:
         try:
             import importlib
 
-            mod = getattr(importlib.import_module(module_name), cls)(config)
+            import torch
+
+            with torch.device(weight.device):
+                mod = getattr(importlib.import_module(module_name), cls)(config).to(weight.dtype)
             mod.load_state_dict(eager.state_dict())
-            out[name] = mod.to(eager.gate_proj.weight.device, eager.gate_proj.weight.dtype)
+            out[name] = mod
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             out[name] = f"{type(e).__name__}: {e}"
     return out
@@ -529,7 +533,38 @@ def render(results: dict) -> str:
                          f"{_fmt(v.get('saved_mib'), '.0f')} | {_fmt(v.get('peak_mib'), '.0f')} |")
         lines += [""] + [f"- {'MET' if ok else ('MISSED' if ok is False else 'n/a')}: {t}" for t, ok in
                          r["targets"].items()]
+    kernels = [k for k in results.get("compiled_kernels", []) if "kernel" in k]
+    if kernels:
+        cols = ["kernel", "dtype", "n_regs", "n_spills", "shared", "num_warps", "num_stages", "BLOCK_SIZE_M", "BLOCK_SIZE_N",
+                "BLOCK_SIZE_K", "STORE_PREACT", "ACTIVATION", "CLAMP"]
+        lines += ["", "## Compiled kernels", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(k.get(c, "")) for c in cols) + " |" for k in kernels]
     return "\n".join(lines) + "\n"
+
+
+def compiled_kernels() -> list[dict]:
+    """Registers, spills and shared memory of every variant of our training kernels compiled in
+    this run (Triton's launcher metadata; empty under the interpreter)."""
+    from swiglu_patch.kernels import gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma
+
+    keep = ("STORE_PREACT", "ACTIVATION", "CLAMP", "HAS_BIAS", "BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
+            "GROUP_SIZE_M", "WARP_SPECIALIZE", "TAIL_SPLIT", "NUM_PROGRAMS")
+    out = []
+    for fn in (gated_gemm_tma._gated_gemm_tma_kernel, gated_gemm_pointer._gated_gemm_fwd_kernel,
+               gated_backward_tma._gated_backward_tma_kernel, gated_backward_pointer._gated_backward_kernel):
+        for entry in getattr(fn, "device_caches", {}).values():
+            for kernel in (entry[0] if isinstance(entry, tuple) else {}).values():
+                try:
+                    names = kernel.src.fn.arg_names
+                    consts = {names[key[0]]: v for key, v in kernel.src.constexprs.items() if names[key[0]] in keep}
+                except Exception:  # noqa: BLE001 - the constexprs are a label, not a result
+                    consts = {}
+                meta = kernel.metadata
+                out.append({"kernel": kernel.name, "n_regs": getattr(kernel, "n_regs", None),
+                            "n_spills": getattr(kernel, "n_spills", None), "shared": meta.shared,
+                            "num_warps": meta.num_warps, "num_stages": meta.num_stages,
+                            "dtype": str(kernel.src.signature.get(names[0])) if consts else None} | consts)
+    return out
 
 
 # -- main ----------------------------------------------------------------------------------
@@ -631,6 +666,14 @@ def main(argv=None) -> int:
             print(f"    {'MET' if ok else ('MISSED' if ok is False else 'n/a')}: {t}", flush=True)
         _free(device)
         save()
+    print(f"5. compiled kernels (registers, spills, shared bytes) {elapsed()}", flush=True)
+    try:
+        results["compiled_kernels"] = compiled_kernels()
+        for k in results["compiled_kernels"]:
+            print(f"  {k}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        results["compiled_kernels"] = [{"error": f"{type(e).__name__}: {e}"}]
+    save()
     print(f"done {elapsed()}; wrote {args.out / 'train.json'} and {args.out / 'train.md'}", flush=True)
     return 0
 
