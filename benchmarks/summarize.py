@@ -1,7 +1,7 @@
 """Geometric-mean ratios per regime from bench_mlp results: the numbers the README quotes.
 
-    python -m benchmarks.summarize_mlp benchmarks/results/mlp_raw/bf16_results.json ...
-    python -m benchmarks.summarize_mlp NEW.json ... --compare OLD.json ...   # run-to-run spread
+    python -m benchmarks.summarize benchmarks/results/h100/mlp/results.json [--out summary.md]
+    python -m benchmarks.summarize NEW.json ... --compare OLD.json ...   # run-to-run spread
 
 Also fits, per dtype and way, the decode time at M = 1 over the shapes as
 weight bytes / bandwidth + a fixed cost per call (least squares): how fast a way streams
@@ -14,11 +14,15 @@ pipeline fill, the last wave) is a quarter of it, for every way alike.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+from .harness.cli import Parser, UsageError, guarded, read_json
+
+PROG = "python -m benchmarks.summarize"
 
 OTHERS = ("hf_eager", "torch_compile", "liger")
 
@@ -77,36 +81,60 @@ def run_to_run(new: list[dict], old: list[dict], way: str, m_min: int = 512) -> 
     return (statistics.median(ratios), ratios[0], ratios[-1]) if ratios else None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+")
-    ap.add_argument("--compare", nargs="+", default=None, metavar="OLD_JSON",
-                    help="an earlier run's results: print how much each way's M >= 512 rows moved between the runs")
-    args = ap.parse_args()
-    rows = [r for f in args.results for r in json.load(open(f))["rows"]]
-    if args.compare:
-        old = [r for f in args.compare for r in json.load(open(f))["rows"]]
-        print("| way | M >= 512 rows, this run / the earlier: median | min | max |")
-        print("|---|---|---|---|")
+def _rows(paths: list[Path]) -> list[dict]:
+    rows = []
+    for path in paths:
+        data = read_json(path)
+        if data.get("kind") != "bench_mlp":
+            raise UsageError(f"{path}: not a bench_mlp results JSON (kind {data.get('kind')!r})")
+        rows += data["rows"]
+    return rows
+
+
+def report(rows: list[dict], old: list[dict] | None = None) -> list[str]:
+    """The markdown: the run-to-run table against `old` if given, else the regimes and the decode fit."""
+    if old is not None:
+        lines = ["| way | M >= 512 rows, this run / the earlier: median | min | max |", "|---|---|---|---|"]
         for way in ("ours", "gemm_only"):
             moved = run_to_run(rows, old, way)
             if moved:
-                print(f"| {way} | {moved[0]:.3f} | {moved[1]:.3f} | {moved[2]:.3f} |")
-        return
-    print("| dtype | regime | shapes | rows | ours / gemm_only | ours / best other | floor / ours |")
-    print("|---|---|---|---|---|---|---|")
+                lines.append(f"| {way} | {moved[0]:.3f} | {moved[1]:.3f} | {moved[2]:.3f} |")
+        return lines
+    lines = ["| dtype | regime | shapes | rows | ours / gemm_only | ours / best other | floor / ours |",
+             "|---|---|---|---|---|---|---|"]
     for s in summarize(rows):
-        print(f"| {s['dtype']} | {s['regime']} | {s['shapes']} | {s['rows']} | {s['ours_over_gemm_only']:.3f} "
-              f"| {s['ours_over_best_other']:.3f} | {s['floor_over_ours_mean']:.2f} |")
-    print("\nDecode at M = 1, least squares over the shapes: time = weight bytes / bandwidth + fixed cost per call\n")
-    print("| dtype | way | bandwidth TB/s | fixed µs |")
-    print("|---|---|---|---|")
+        lines.append(f"| {s['dtype']} | {s['regime']} | {s['shapes']} | {s['rows']} | {s['ours_over_gemm_only']:.3f} "
+                     f"| {s['ours_over_best_other']:.3f} | {s['floor_over_ours_mean']:.2f} |")
+    lines += ["", "Decode at M = 1, least squares over the shapes: time = weight bytes / bandwidth + fixed cost per "
+              "call", "", "| dtype | way | bandwidth TB/s | fixed µs |", "|---|---|---|---|"]
     for dtype in sorted({r["dtype"] for r in rows}):
         for way in ("ours", "gemm_only"):
             fit = decode_fit(rows, way, dtype)
             if fit:
-                print(f"| {dtype} | {way} | {fit[0]:.2f} | {fit[1]:.1f} |")
+                lines.append(f"| {dtype} | {way} | {fit[0]:.2f} | {fit[1]:.1f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring); 2 on a bad argument, with one line on stderr."""
+    return guarded(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    ap = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", type=Path, help="bench_mlp results JSON(s)")
+    ap.add_argument("--compare", nargs="+", type=Path, metavar="OLD_JSON",
+                    help="an earlier run's results: how much each way's M >= 512 rows moved between the runs")
+    ap.add_argument("--out", type=Path, help="also write the markdown to this file")
+    args = ap.parse_args(argv)
+    lines = report(_rows(args.results), _rows(args.compare) if args.compare else None)
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

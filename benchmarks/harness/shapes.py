@@ -44,8 +44,8 @@ SHAPES: tuple[MLPShape, ...] = (
 )
 
 # One GPU's shard of the gate/up weight under tensor parallelism over tp GPUs (the packed rows
-# split by column blocks: I / tp per GPU, K whole). Not part of the benchmark table; `tune_kernel
-# --tp-shards` sweeps them, because a decode call on a shard has fewer tiles than the GPU has SMs.
+# split by column blocks: I / tp per GPU, K whole). Not part of the benchmark table: `python -m
+# benchmarks.tune --tp-shards` sweeps them (a decode call on a shard has fewer tiles than SMs).
 TP_SHARD_SHAPES: tuple[MLPShape, ...] = (
     MLPShape("llama-3-8b-tp4", "Llama-3-8B, 1 of 4 GPUs", 4096, 14336 // 4, "silu"),
     MLPShape("qwen2.5-7b-tp4", "Qwen2.5-7B, 1 of 4 GPUs", 3584, 18944 // 4, "silu"),
