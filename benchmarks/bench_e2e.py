@@ -140,10 +140,23 @@ def measure_prefill(models: dict, args, device, vocab: int, gen: torch.Generator
     return rows
 
 
+def _allow_static_recompiles() -> None:
+    """With a static cache every (model, batch) compiles the same forward code object again;
+    past dynamo's limit (8) it would silently run eager: raise the limit, and fail if it is hit."""
+    config = torch._dynamo.config
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, knob):
+            setattr(config, knob, max(getattr(config, knob), 64))
+    if hasattr(config, "fail_on_recompile_limit_hit"):
+        config.fail_on_recompile_limit_hit = True
+
+
 def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
     """Every (cache, batch): one untimed call per mode (a static cache compiles there), then
     `rounds` rounds of one call per mode in turns."""
     new, rows = args.new_tokens, []
+    if "static" in args.cache:
+        _allow_static_recompiles()
     for cache in args.cache:
         extra = {"cache_implementation": "static"} if cache == "static" else {}
         for batch in args.batches:

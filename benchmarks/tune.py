@@ -257,7 +257,6 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
             fn()
             _sync(x)
         except Exception as e:  # noqa: BLE001  (out of shared memory or registers, cannot run: record, go on)
-            _sync(x)
             row.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
             continue
         row["first_call_s"] = time.perf_counter() - t0

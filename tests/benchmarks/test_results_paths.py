@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import os
 import re
 from pathlib import Path
 
@@ -27,15 +28,12 @@ PLACEHOLDER = re.compile(r"[<>$]|\{[^,}]*\}")
 
 def _sources() -> list[Path]:
     out = []
-    for path in REPO.rglob("*"):
-        if path.suffix not in (".py", ".md") or not path.is_file():
-            continue
-        rel = path.relative_to(REPO)
-        if SKIP_DIRS & set(rel.parts) or any(p.endswith(".egg-info") for p in rel.parts):
-            continue
-        if path.suffix == ".py" and FROZEN in path.parents:
-            continue
-        out.append(path)
+    for folder, dirs, files in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for name in files:
+            path = Path(folder) / name
+            if path.suffix == ".md" or (path.suffix == ".py" and FROZEN not in path.parents):
+                out.append(path)
     return out
 
 
