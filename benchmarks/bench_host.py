@@ -87,11 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_ways(dims, device: torch.device, dtype: torch.dtype, backend: str, seed: int) -> tuple[dict, dict]:
     """({way: zero-argument callable}, {way: why it is skipped}); the MLPs are one layer's, built
     from one seed, one of them patched."""
-    from swiglu_patch import apply_fused_mlp, gated_linear, pack_gate_up
+    from swiglu_patch import FusedGatedMLP, apply_fused_mlp, gated_linear, pack_gate_up
 
     eager, patched = (build_model(dims, 1, device, dtype, seed, vocab=256) for _ in range(2))
     apply_fused_mlp(patched, backend=backend)
     mlp_eager, mlp_patched = mlps(eager)[0], mlps(patched)[0]
+    if not isinstance(mlp_patched, FusedGatedMLP):
+        raise RuntimeError(f"bench_host: apply_fused_mlp left {type(mlp_patched).__name__} in place")
     gate, up = mlp_eager.gate_proj.weight, mlp_eager.up_proj.weight
     packed = pack_gate_up(gate, up)
     act = mlp_patched.epilogue.activation

@@ -22,7 +22,7 @@ def test_dry_run_times_the_ways_and_profiles(tmp_path):
         assert w["calls"] == 6 and 0 < w["p10_us"] <= w["median_us"] <= w["p90_us"], way
     assert "interpreter" in data["ways"]["gated_gemm"]["skipped"]
     profile = (tmp_path / "profile_mlp_patched.txt").read_text()
-    assert "cProfile of 3 calls" in profile and "gated_linear_interleaved" in profile  # the patched path ran
+    assert "cProfile of 3 calls" in profile and "swiglu_patch" in profile  # the patched path ran
     md = (tmp_path / "results.md").read_text()
     assert "| `mlp_patched` |" in md and "## Where the patched MLP forward's host time goes" in md
     (tmp_path / "results.md").unlink()
