@@ -67,7 +67,7 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
     p.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b", help="the model's dimensions")
     p.add_argument("--layers", type=_positive, help="decoder layers (default 8; the dry run 2)")

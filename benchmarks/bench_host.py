@@ -66,7 +66,7 @@ def _positive(text: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
     p.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b", help="the MLP's dimensions")
     p.add_argument("--calls", type=_positive, help="timed calls per way (default 400; the dry run 20)")

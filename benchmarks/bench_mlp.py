@@ -55,7 +55,7 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (required to measure; with --render, default: the JSON's folder)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], help=f"one or more of {', '.join(DTYPES)}")
     p.add_argument("--shapes", nargs="+", help="shape names (default: all); see benchmarks/harness/shapes.py")

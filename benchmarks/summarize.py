@@ -14,6 +14,7 @@ pipeline fill, the last wave) is a quarter of it, for every way alike.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import sys
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    ap = Parser(prog=PROG, description=__doc__.splitlines()[0])
+    ap = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", type=Path, help="bench_mlp results JSON(s)")
     ap.add_argument("--compare", nargs="+", type=Path, metavar="OLD_JSON",
                     help="an earlier run's results: how much each way's M >= 512 rows moved between the runs")

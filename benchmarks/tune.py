@@ -166,6 +166,11 @@ def sweep_paired(m, k, i, shipped):
 
 SWEEPS = {"buckets": sweep_buckets, "decode": sweep_decode, "gemv": sweep_gemv, "grid": sweep_grid,
           "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired}
+SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default)",
+              "decode": "pointer tiles at M <= 16, and TMA small-M tiles", "gemv": "GEMV tiles at M = 1",
+              "grid": "one-program-per-tile TMA tiles, 1 and 2 weight boxes", "tail": "TMA split tail off and on",
+              "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
+              "paired": "persistent TMA tiles with 1-4 programs per SM"}
 TMA_KERNELS = ("tma", "grid")
 
 
@@ -177,10 +182,10 @@ def label(kernel: str, config: C) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="folder for tune.json and tune.md")
     p.add_argument("--sweep", choices=sorted(SWEEPS), default="buckets",
-                   help="; ".join(f"{n}: {f.__doc__.splitlines()[0]}" for n, f in SWEEPS.items()))
+                   help="; ".join(f"{n}: {what}" for n, what in SWEEP_HELP.items()))
     p.add_argument("--shapes", nargs="+", help="shape names (default: all of the table)")
     p.add_argument("--tp-shards", action="store_true", help="the tensor-parallel shard shapes instead")
     p.add_argument("--tokens", nargs="+", type=int, help=f"token counts M (default {' '.join(map(str, TOKENS))})")
