@@ -285,7 +285,9 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
                          status="ok" if err <= bound else "failed"))
         if err <= bound:
             fns["liger"] = liger
-    secs = timer.many(fns)
+    secs = _time_all(timer, fns, rows, x)
+    if "gemm_only" not in secs:
+        return rows
     t_gemm = secs["gemm_only"] * 1e3
     for row in rows:
         if row["label"] in secs:
@@ -293,9 +295,28 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
     return rows
 
 
+def _time_all(timer, fns: dict, rows: list[dict], x: torch.Tensor) -> dict[str, float]:
+    """{label: seconds} of every callable timed together; if that raises, each alone, and a
+    callable that still fails is recorded as an error in its row."""
+    try:
+        return timer.many(fns)
+    except Exception:  # noqa: BLE001  (time one by one, so one bad candidate loses only itself)
+        _sync(x)
+    secs = {}
+    for name, fn in fns.items():
+        try:
+            secs.update(timer.many({name: fn}))
+        except Exception as e:  # noqa: BLE001
+            _sync(x)
+            for row in rows:
+                if row["label"] == name:
+                    row.update(status="error", reason=f"timing: {type(e).__name__}: {str(e)[:300]}")
+    return secs
+
+
 def best_per_bucket(rows: list[dict]) -> dict[int, tuple[float, str, int]]:
-    """{bucket: (geometric-mean ratio to gemm_only, candidate label, shapes)} over the candidates
-    timed on every shape of the bucket."""
+    """{bucket: (geometric-mean ratio to gemm_only, candidate label, rows)} over the candidates
+    timed in every (shape, M) row of the bucket."""
     acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if r.get("ratio") and r["role"] == "candidate":
@@ -327,9 +348,10 @@ def render_markdown(data: dict) -> str:
         lines.append(f"| {shape} | {m} | {gemm * 1e3:.1f} | " if gemm else f"| {shape} | {m} | – | ")
         lines[-1] += (f"{shipped['ratio']:.3f} | " if shipped.get("ratio") else "– | ") + (
             f"{best['ratio']:.3f} | {best['label']} |" if best else "– | – |")
-    lines += ["", "Best candidate per M bucket (geometric mean of the ratio to gemm_only over the shapes):", ""]
+    lines += ["", "Best candidate per M bucket (geometric mean of the ratio to gemm_only over its (shape, M) rows):",
+              ""]
     for bucket, (score, name, n) in best_per_bucket(rows).items():
-        lines.append(f"- bucket {bucket}: {score:.3f}x over {n} shape(s): {name}")
+        lines.append(f"- bucket {bucket}: {score:.3f}x over {n} row(s): {name}")
     bad = sorted({f"- {r['label']}: {r['status']}: {r.get('reason', '')}" for r in rows
                   if r.get("status") in ("error", "failed", "skipped")})
     if bad:

@@ -91,3 +91,16 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys):
         tune.main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_candidate_that_fails_to_time_loses_only_itself():
+    class Timer:
+        def many(self, fns):
+            if "bad" in fns:
+                raise RuntimeError("capture failed")
+            return {name: 1e-3 for name in fns}
+
+    rows = [dict(label="good"), dict(label="bad")]
+    secs = tune._time_all(Timer(), {"gemm_only": None, "good": None, "bad": None}, rows, torch.zeros(1))
+    assert secs == {"gemm_only": 1e-3, "good": 1e-3}
+    assert rows[1]["status"] == "error" and "capture failed" in rows[1]["reason"] and "status" not in rows[0]
