@@ -91,5 +91,5 @@ def test_the_scanner_expands_and_checks():
     nowhere = "benchmarks/" + "results/h100/nothing"  # split: the scan of this file must not find it
     assert not _exists(nowhere + "_here.json")
     assert not _exists(nowhere + "_*.json")
-    found = [m.group(0) for m in PATH.finditer("see `benchmarks/results/h100/e2e/results.md`, and (x)")]
-    assert found == ["benchmarks/results/h100/e2e/results.md"]
+    found = [m.group(0) for m in PATH.finditer("see `benchmarks/results/h100/mlp/results.md`, and (x)")]
+    assert found == ["benchmarks/results/h100/mlp/results.md"]
