@@ -262,3 +262,25 @@ def test_tma_kernels_on_strided_rows(kernel):
     gated_gemm(x, packed, "silu", out=out, config=None if CUDA else SMALL[kernel], kernel=kernel)
     check(out, x, gate.contiguous(), up.contiguous(), None, None, "silu")
     assert out_wide[:, i:].isnan().all(), "wrote past the output's columns"
+
+
+@pytest.mark.parametrize("kernel,m,k,i", [("pointer", 7, 50, 37), ("gemv", 1, 72, 48), ("tma", 300, 72, 64)])
+def test_repeated_calls_through_the_fast_launch(kernel, m, k, i):
+    """Later calls skip Triton's binding (`launcher.FastLaunch`): each must still write every
+    element right, also when a call's pointers lose the 16-byte alignment the first call had
+    (a new specialization), and when the output has other strides."""
+    from swiglu_patch.kernels.dispatch import _MODULES
+
+    dtype = TMA_DTYPES[-1] if kernel == "tma" else KERNEL_DTYPES[-1]
+    x, gate, up, bg, bu = make_case(m + 1, k + 8, i, dtype, bias=True)
+    packed, bias = packed_of(gate, up), packed_of(bg, bu)
+    launch = _MODULES[kernel].make_launcher(
+        SMALL[kernel] if not CUDA else C(64, 64, 64, num_warps=4, num_stages=3) if kernel != "gemv" else C(1, 32, 64),
+        dict(GatedEpilogue("silu").constexprs(), APPROX_TANH=False), True, dtype)
+    cases = [(x[:m, :k], packed[:, :k]), (x[:m, :k], packed[:, :k])]
+    if kernel != "tma":  # TMA needs 16-byte alignment: the others take an x that starts one element in
+        cases.append((x[1:m + 1, 1:k + 1], packed[:, :k]))
+    for xs, ws in cases:
+        out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
+        launch(xs, ws, bias, out)
+        check(out, xs, gate[:, :k], up[:, :k], bg, bu, "silu")
