@@ -150,6 +150,7 @@ def test_plans_hold_no_tensors():
         assert not tensors_in(signature) and not tensors_in(plan)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m", [1, 5, 16, 27])
 def test_every_rule_config_runs_correctly_here(m):
     """Every config of the table, on its kernel where this device can run it, on a shape whose
