@@ -224,8 +224,8 @@ def check_sharding(module: nn.Module, family: MLPFamily) -> bool:
 def _describe(style) -> str:
     if style is None:
         return "unknown (no transformers ColwiseParallel/RowwiseParallel found on its forward)"
-    return (f"{type(style).__name__}(input_layouts={getattr(style, 'input_layouts', None)}, "
-            f"output_layouts={getattr(style, 'output_layouts', None)})")
+    return (f"{type(style).__name__}(input_layouts={getattr(style, 'input_layouts', None)!r}, "
+            f"output_layouts={getattr(style, 'output_layouts', None)!r})")
 
 
 # -- local shards in, DTensors out ------------------------------------------------------------------
