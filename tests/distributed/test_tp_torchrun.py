@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from helpers import rel_err, tiny_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from swiglu_patch import pack_gate_up
 from swiglu_patch.memory import ModelShape, kv_bytes_per_token, predict_mlp_peak, weight_bytes_per_gpu
@@ -38,6 +38,7 @@ CASES = {  # name: (model_type, config overrides, what apply_fused_mlp must do)
 }
 PATCHED = [n for n, c in CASES.items() if c[2] == "patch"]
 MLP_TOKENS = 64  # tp_worker.MLP_TOKENS
+IDS = [[5, 17, 99, 3, 42, 120, 7, 64, 31], [88, 12, 9, 127, 50, 3, 71, 26, 100]]  # the prompt, [2, 9]
 LAUNCH_FAILURES = ("RendezvousConnectionError", "RendezvousTimeoutError", "EADDRINUSE", "Address already in use",
                    "Connection refused", "gloo is not available", "No module named torch.distributed.run")
 
@@ -59,9 +60,10 @@ def ranks(request, checkpoints, tmp_path_factory) -> list[dict]:
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the TP tests need it")
     out = tmp_path_factory.mktemp(f"tp{tp}")
-    cases = [dict(name=n, path=str(checkpoints[n]), expect=c[2], grad=n == "llama") for n, c in CASES.items()]
+    cases = [dict(name=n, path=str(checkpoints[n]), expect=c[2], grad=n == "llama", ids=IDS) for n, c in CASES.items()]
     (out / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo on a GPU machine too
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
            str(WORKER), str(out / "cases.json"), str(out)]
     try:
@@ -82,11 +84,10 @@ def ranks(request, checkpoints, tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints, ranks) -> dict[str, dict]:
+def references(checkpoints) -> dict[str, dict]:
     """Single-process, unpatched: fp32 and fp64 logits, greedy tokens, and the llama case's gradients."""
-    refs = {}
+    refs, ids = {}, torch.tensor(IDS)
     for name in PATCHED:
-        ids = ranks[0][name]["ids"]
         m32 = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32).eval()
         m64 = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float64).eval()
         with torch.no_grad():
@@ -173,7 +174,7 @@ def test_state_dict_and_save_pretrained_give_the_original_checkpoint(ranks, chec
         assert not changed, f"{name}: save_pretrained from the TP-patched model changed {changed}"
         reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
         with torch.no_grad():
-            assert torch.equal(reloaded(ranks[0][name]["ids"]).logits, references[name]["logits32"])
+            assert torch.equal(reloaded(torch.tensor(IDS)).logits, references[name]["logits32"])
 
 
 def test_unpatch_restores_the_dtensors_bit_for_bit(ranks):
@@ -232,7 +233,7 @@ def test_per_rank_memory_matches_the_memory_model(ranks, checkpoints):
     """
     tp = len(ranks)
     for name in PATCHED:
-        config = AutoModelForCausalLM.from_pretrained(checkpoints[name]).config
+        config = AutoConfig.from_pretrained(checkpoints[name])
         shape = ModelShape.from_config(config, name=name)
         per_rank = shape.sharded(tp)
         weight_gap, bias_add = _down_bias_gaps(config, tp)

@@ -1,15 +1,16 @@
 """One rank of the tensor-parallel tests: ``torchrun --standalone --nproc-per-node N tp_worker.py CASES OUT``.
 
-CASES is a JSON file: a list of {"name", "path", "expect": "patch" | "refuse", "grad": bool}, each
-path a checkpoint saved by plain transformers. For every case this rank loads the checkpoint with
-``tp_plan="auto"`` (gloo on CPU) and records what the tests check, without judging it:
+CASES is a JSON file: a list of {"name", "path", "expect": "patch" | "refuse", "grad": bool, "ids"},
+each path a checkpoint saved by plain transformers, ids the prompt (token ids [batch, seq]). For
+every case this rank loads the checkpoint with ``tp_plan="auto"`` (gloo on CPU) and records what
+the tests check, without judging it:
 
-- "patch": logits and a save_pretrained directory of the plain TP model; its local shards; live bytes while
-  patching; logits and greedy tokens of the patched model (backend "auto", then "triton" under
-  TRITON_INTERPRET=1); its packed local weights; its state_dict against the plain one; a
-  save_pretrained directory; a load_state_dict round trip; logits and parameters after unpatch;
-  weight bytes held and one MLP's activation peak, eager and fused; KV-cache bytes per token;
-  with "grad", the input and weight gradients of a patched forward/backward (backend "torch").
+- "patch": logits and a save_pretrained directory of the plain TP model; its local shards; live
+  bytes while patching; logits and greedy tokens of the patched model (backend "auto", then
+  "triton" under TRITON_INTERPRET=1); its packed local weights; its state_dict against the plain
+  one; a save_pretrained directory; a load_state_dict round trip; logits and parameters after
+  unpatch; weight bytes held and one MLP's activation peak, eager and fused; KV-cache bytes per
+  token; with "grad", the input and weight gradients of a patched forward/backward (backend "torch").
 - "refuse": the PatchError of apply_fused_mlp, the strict=False report, and whether the
   model's parameters and logits stayed as they were.
 
@@ -36,11 +37,6 @@ from live_bytes import LiveBytes  # noqa: E402
 from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch  # noqa: E402
 
 MLP_TOKENS = 64
-
-
-def inputs(vocab: int) -> torch.Tensor:
-    """The prompt every test uses: 2 sequences of 9 tokens, the same on every rank."""
-    return torch.randint(3, vocab, (2, 9), generator=torch.Generator().manual_seed(1))
 
 
 def local(t):
@@ -99,7 +95,7 @@ def run_patch(case: dict, out_dir: Path) -> dict:
     r: dict = {}
     model = AutoModelForCausalLM.from_pretrained(case["path"], tp_plan="auto", dtype=torch.float32).eval()
     config = model.config
-    r["ids"] = ids = inputs(config.vocab_size)
+    ids = torch.tensor(case["ids"])
     with torch.no_grad():
         r["logits_plain"] = model(ids).logits
     r["kv_bytes_per_token"] = kv_bytes_per_token(model, ids)
@@ -161,7 +157,7 @@ def run_patch(case: dict, out_dir: Path) -> dict:
 def run_refuse(case: dict) -> dict:
     r: dict = {}
     model = AutoModelForCausalLM.from_pretrained(case["path"], tp_plan="auto", dtype=torch.float32).eval()
-    ids = inputs(model.config.vocab_size)
+    ids = torch.tensor(case["ids"])
     before = local_state(model)
     with torch.no_grad():
         logits = model(ids).logits
