@@ -110,9 +110,12 @@ def test_load_state_dict_takes_full_gate_up_tensors_and_refuses_other_shapes(mes
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        (dict(gate_placement="replicate"), r"gate_proj.weight is placed \(Replicate\(\),\); the fused MLP needs Shard\(0\)"),
-        (dict(down_style="rowwise_split_input"), r"down_proj's tensor-parallel style is RowwiseParallel\(input_layouts=Replicate"),
-        (dict(gate_style="colwise_gather_output"), r"gate_proj's tensor-parallel style is ColwiseParallel\(.*output_layouts=Replicate"),
+        (dict(gate_placement="replicate"),
+         r"gate_proj.weight is placed \(Replicate\(\),\); the fused MLP needs Shard\(0\)"),
+        (dict(down_style="rowwise_split_input"),
+         r"down_proj's tensor-parallel style is RowwiseParallel\(input_layouts=Replicate"),
+        (dict(gate_style="colwise_gather_output"),
+         r"gate_proj's tensor-parallel style is ColwiseParallel\(.*output_layouts=Replicate"),
         (dict(gate_style=None), r"gate_proj's tensor-parallel style is unknown"),
         (dict(plain_down=True), r"are DTensors but down_proj.weight, down_proj.bias are plain tensors"),
     ],

@@ -75,7 +75,8 @@ def ranks(request, checkpoints, tmp_path_factory) -> list[dict]:
     files = [out / f"rank{r}.pt" for r in range(tp)]
     if proc.returncode != 0 and not any(f.exists() for f in files) and any(s in log for s in LAUNCH_FAILURES):
         pytest.skip(f"torchrun could not start {tp} gloo processes on this machine: {log[-1500:]}")
-    assert proc.returncode == 0 and all(f.exists() for f in files), f"torchrun failed (rc {proc.returncode}):\n{log[-5000:]}"
+    assert proc.returncode == 0 and all(f.exists() for f in files), (
+        f"torchrun failed (rc {proc.returncode}):\n{log[-5000:]}")
     results = [torch.load(f, weights_only=False) for f in files]
     for r, res in enumerate(results):
         for name in CASES:

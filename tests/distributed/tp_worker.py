@@ -31,12 +31,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports tr
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
 
 from live_bytes import LiveBytes  # noqa: E402
 from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch  # noqa: E402
 
 MLP_TOKENS = 64
+
+
+def load_tp(path: str):
+    """The checkpoint sharded over all ranks by the model's own tp_plan (``tp_plan="auto"``)."""
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
 
 def local(t):
@@ -93,7 +99,7 @@ def kv_bytes_per_token(model, ids) -> float:
 
 def run_patch(case: dict, out_dir: Path) -> dict:
     r: dict = {}
-    model = AutoModelForCausalLM.from_pretrained(case["path"], tp_plan="auto", dtype=torch.float32).eval()
+    model = load_tp(case["path"])
     config = model.config
     ids = torch.tensor(case["ids"])
     with torch.no_grad():
@@ -156,7 +162,7 @@ def run_patch(case: dict, out_dir: Path) -> dict:
 
 def run_refuse(case: dict) -> dict:
     r: dict = {}
-    model = AutoModelForCausalLM.from_pretrained(case["path"], tp_plan="auto", dtype=torch.float32).eval()
+    model = load_tp(case["path"])
     ids = torch.tensor(case["ids"])
     before = local_state(model)
     with torch.no_grad():
