@@ -31,7 +31,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports tr
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM, DistributedConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from live_bytes import LiveBytes  # noqa: E402
 from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch  # noqa: E402
@@ -40,7 +40,11 @@ MLP_TOKENS = 64
 
 
 def load_tp(path: str):
-    """The checkpoint sharded over all ranks by the model's own tp_plan (``tp_plan="auto"``)."""
+    """The checkpoint sharded over all ranks by the model's own tp_plan ("auto")."""
+    try:
+        from transformers import DistributedConfig  # transformers 5.x; tp_plan= is deprecated there
+    except ImportError:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, tp_plan="auto").eval()
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")).eval()
 
