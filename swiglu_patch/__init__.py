@@ -5,7 +5,8 @@
 """
 
 from .functional import gated_linear
-from .kernels.layout import GATE_UP_BLOCK, pack_gate_up, unpack_gate_up
+from .kernels.epilogue import GatedEpilogue
+from .kernels.layout import GATE_UP_BLOCK, PackedGateUp, pack_gate_up
 from .module import FusedGatedMLP
 from .patch import PatchError, PatchReport, apply_fused_mlp, is_patched, unpatch
 
@@ -14,12 +15,13 @@ __version__ = "0.1.0"
 __all__ = [
     "GATE_UP_BLOCK",
     "FusedGatedMLP",
+    "GatedEpilogue",
+    "PackedGateUp",
     "PatchError",
     "PatchReport",
     "apply_fused_mlp",
     "gated_linear",
     "is_patched",
     "pack_gate_up",
-    "unpack_gate_up",
     "unpatch",
 ]

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import tensor_parallel
 from .functional import BACKENDS
-from .kernels.activations import ACTIVATIONS
+from .kernels.epilogue import ACTIVATIONS
 from .module import FusedGatedMLP
 from .registry import FAMILIES, HF_ACTIVATIONS, STRUCTURES, MLPFamily, activation_of_module, supported_model_types
 
@@ -125,7 +125,7 @@ def _check_linears(module: nn.Module, family: MLPFamily) -> None:
 def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "auto") -> PatchReport:
     """Replace every gated MLP in `model` with a `FusedGatedMLP`, in place.
 
-    Each MLP's gate and up weights are packed (`pack_gate_up`) on their own device and dtype
+    Each MLP's gate and up weights are packed (`interleave_gate_up`) on their own device and dtype
     and the originals freed, one layer at a time, so patching holds at most one extra
     layer's gate/up weights. Calling it again on a patched model changes nothing.
 
