@@ -14,10 +14,11 @@ the registry except Phi-3:
 Patching on each rank (`localize`, then `FusedGatedMLP`, then `attach`):
 
 - the local gate and up rows are packed into a local ``gate_up_interleaved`` [2*I/tp, K], a plain
-  tensor. When I/tp is a multiple of GATE_UP_BLOCK these are exactly rows r*2I/tp .. (r+1)*2I/tp - 1
-  of the global packed weight ``pack_gate_up(gate, up)``: the rank's column shard of it, so one
-  layout means the same thing at every tp. Otherwise a column shard of the global packed weight
-  would cut a block between its gate and up rows, and patching is refused (`check_sharding`);
+  tensor. When I/tp is a multiple of GATE_UP_BLOCK these are exactly rows r*2I/tp ..
+  (r+1)*2I/tp - 1 of the global packed weight ``pack_gate_up(gate, up).weight``: the rank's column
+  shard of it, so one layout means the same thing at every tp. Otherwise a column shard of the
+  global packed weight would cut a block between its gate and up rows, and patching is refused
+  (`check_sharding`);
 - nothing is gathered: extra memory is one layer's local packed weight until its local gate/up
   shards are freed;
 - the fused module runs the kernel on the local input and weight; ``down_proj`` keeps its DTensor

@@ -14,17 +14,18 @@ from swiglu_patch.tensor_parallel import degree_error, working_degrees
 def test_packing_local_shards_gives_the_column_shard_of_the_global_packed_weight(tp, blocks_per_rank):
     intermediate, k = GATE_UP_BLOCK * blocks_per_rank * tp, 40
     gate, up = torch.randn(intermediate, k), torch.randn(intermediate, k)
-    global_shards = pack_gate_up(gate, up).chunk(tp)  # what a colwise Shard(0) of the packed weight gives rank r
+    global_shards = pack_gate_up(gate, up).weight.chunk(tp)  # what a colwise Shard(0) of the packed weight gives rank r
     for r in range(tp):
-        assert torch.equal(pack_gate_up(gate.chunk(tp)[r], up.chunk(tp)[r]), global_shards[r])
+        assert torch.equal(pack_gate_up(gate.chunk(tp)[r], up.chunk(tp)[r]).weight, global_shards[r])
 
 
 @pytest.mark.parametrize(("intermediate", "tp"), [(72, 2), (96, 4), (40, 2)])
 def test_without_whole_blocks_per_rank_the_two_differ(intermediate, tp):
     """The case patching refuses: rank r's own packing is not its rows of the global packed weight."""
     gate, up = torch.randn(intermediate, 8), torch.randn(intermediate, 8)
-    global_shards = pack_gate_up(gate, up).chunk(tp)
-    assert any(not torch.equal(pack_gate_up(gate.chunk(tp)[r], up.chunk(tp)[r]), global_shards[r]) for r in range(tp))
+    global_shards = pack_gate_up(gate, up).weight.chunk(tp)
+    local = [pack_gate_up(gate.chunk(tp)[r], up.chunk(tp)[r]).weight for r in range(tp)]
+    assert any(not torch.equal(local[r], global_shards[r]) for r in range(tp))
 
 
 def test_working_degrees():

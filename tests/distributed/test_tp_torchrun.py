@@ -133,17 +133,17 @@ def test_greedy_tokens_match_single_process(ranks, references):
 
 
 def test_local_packed_weight_is_the_column_shard_of_the_global_packed_weight(ranks, checkpoints):
-    """I/tp is a multiple of 16: packing the rank's gate/up rows gives its rows of pack_gate_up(gate, up)."""
+    """I/tp is a multiple of 16: packing the rank's gate/up rows gives its rows of pack_gate_up(gate, up).weight."""
     tp = len(ranks)
     for name in PATCHED:
         full = load_file(checkpoints[name] / "model.safetensors")
         for layer in range(2):
             key = f"model.layers.{layer}.mlp."
-            packed = pack_gate_up(full[key + "gate_proj.weight"], full[key + "up_proj.weight"]).chunk(tp)
-            bias = (pack_gate_up(full[key + "gate_proj.bias"], full[key + "up_proj.bias"]).chunk(tp)
-                    if key + "gate_proj.bias" in full else None)
+            packed = pack_gate_up(*(full.get(key + p) for p in ("gate_proj.weight", "up_proj.weight",
+                                                                "gate_proj.bias", "up_proj.bias")))
+            weight, bias = packed.weight.chunk(tp), packed.bias.chunk(tp) if packed.bias is not None else None
             for r, res in enumerate(ranks):
-                assert torch.equal(res[name]["packed"][layer], packed[r]), f"{name} layer {layer} rank {r}"
+                assert torch.equal(res[name]["packed"][layer], weight[r]), f"{name} layer {layer} rank {r}"
                 if bias is not None:
                     assert torch.equal(res[name]["packed_bias"][layer], bias[r]), f"{name} bias {layer} rank {r}"
 
@@ -208,8 +208,8 @@ def test_gradients_match_single_process(ranks, references):
         _within_fp32_rounding(rec["grad_embeds"], ref["grad_embeds32"], ref["grad_embeds64"], f"rank {r} d/d embeds")
         for layer, ours in enumerate(rec["grad_packed"]):
             (g32, u32), (g64, u64) = ref["grad_gate_up32"][layer], ref["grad_gate_up64"][layer]
-            _within_fp32_rounding(ours, pack_gate_up(g32, u32).chunk(tp)[r], pack_gate_up(g64, u64).chunk(tp)[r],
-                                  f"rank {r} layer {layer} d/d gate_up_interleaved")
+            ref32, ref64 = (pack_gate_up(g, u).weight.chunk(tp)[r] for g, u in ((g32, u32), (g64, u64)))
+            _within_fp32_rounding(ours, ref32, ref64, f"rank {r} layer {layer} d/d gate_up_interleaved")
 
 
 def _down_bias_gaps(config, tp: int) -> tuple[int, int]:
