@@ -31,6 +31,7 @@ Patching on each rank (`localize`, then `FusedGatedMLP`, then `attach`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from torch import nn
 
 from .kernels.layout import GATE_UP_BLOCK
 from .registry import MLPFamily
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -241,10 +245,11 @@ class ShardSpec:
         placements: the DTensor's placements (``(Shard(0),)`` for gate/up).
         shape, stride: the global shape and stride ([I, K] or [I]).
         local_shape: this rank's local shape ([I/tp, K] or [I/tp]).
-        offset: the first global row this rank holds.
+        offset: the first global row this rank holds (shards are even: `check_sharding` asks
+            I % (16 * tp) == 0).
     """
 
-    mesh: object
+    mesh: DeviceMesh
     placements: tuple
     shape: torch.Size
     stride: tuple[int, ...]
@@ -288,18 +293,14 @@ class TensorParallelMLP:
     """
 
     specs: dict[str, ShardSpec]
-    mesh: object
-
-    @property
-    def tp(self) -> int:
-        return self.mesh.size()
+    mesh: DeviceMesh
 
 
 def localize(module: nn.Module, family: MLPFamily) -> TensorParallelMLP | None:
     """Swap `module`'s gate/up DTensor parameters for their local shards, ready to be packed.
 
-    The local tensors share the DTensors' storage (no copy). Call only after `check_sharding`
-    returned True, and build the `FusedGatedMLP` from `module` right after.
+    The local tensors share the DTensors' storage (no copy). For a sharded MLP, call it only
+    after `check_sharding` returned True, and build the `FusedGatedMLP` from `module` right after.
 
     Args:
         module: a gated MLP whose projections passed `check_sharding`.
