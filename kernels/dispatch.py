@@ -75,32 +75,43 @@ def candidates(key: CallKey) -> list[tuple[int, Rule]]:
     return [(n, r) for n, r in enumerate(RULES) if mismatch(r, key) is None]
 
 
-# (CallKey at the bucket's M, has_bias, epilogue, approx_tanh, tf32) -> [(module, config, meta, rule index)].
-# Plain values only: configs, dicts of constexprs and module references.
-_PLANS: dict[tuple, list[tuple]] = {}
+# Per call signature (see `_signature`) the candidates' (can_run or None, launcher), in rule order.
+# Plain values only: predicates and launchers (closures over configs and constexprs), no tensors.
+_PLANS: dict[tuple, tuple] = {}
+_BUCKETS = [m_bucket(m) for m in range(8193)]
 
 
-def _plan(key: CallKey, has_bias: bool, epilogue: GatedEpilogue, approx_tanh: bool) -> list[tuple]:
-    tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    cache_key = (key, has_bias, epilogue, approx_tanh, tf32)
-    plan = _PLANS.get(cache_key)
-    if plan is None:
-        epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-        plan = []
-        for n, rule in candidates(key):
-            config = _fit_dtype(rule.config, key.dtype)
-            module = _MODULES[rule.kernel]
-            plan.append((module, config, module.make_meta(config, epi, has_bias, key.dtype), n))
-        _PLANS[cache_key] = plan
-    return plan
+def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
+               approx_tanh: bool | None) -> tuple:
+    """Everything the plan and the argument checks depend on, as one hashable tuple: a call whose
+    signature was seen before needs neither again."""
+    m = x.shape[0]
+    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, x.shape[-1], weight.dtype,
+            weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
+            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+            x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _build_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
+                approx_tanh: bool | None, captured: bool) -> tuple:
+    check_operands("gated_gemm", x, weight, bias)
+    approx = _approx_tanh(x, approx_tanh)
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
+    plan = []
+    for _, rule in candidates(_call_key(x, weight.shape[0] // 2, captured)):
+        config = _fit_dtype(rule.config, x.dtype)
+        module = _MODULES[rule.kernel]
+        plan.append((None if module is gated_gemm_pointer else module.can_run,
+                     module.make_launcher(config, epi, bias is not None, x.dtype)))
+    return tuple(plan)
 
 
 def _call_key(x: torch.Tensor, i: int, captured: bool, m: int | None = None) -> CallKey:
+    m = m_bucket(x.shape[0] if m is None else m)
     if x.is_cuda:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        return CallKey(gpu_name(index), capability(index), x.dtype, m_bucket(x.shape[0] if m is None else m),
-                       x.shape[1], i, captured)
-    return CallKey("cpu", None, x.dtype, m_bucket(x.shape[0] if m is None else m), x.shape[1], i, captured)
+        return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured)
+    return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured)
 
 
 def default_approx_tanh(x: torch.Tensor) -> bool:
@@ -117,8 +128,8 @@ def check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{fn}: x must be [M, {weight.shape[1]}] (the weight's K), got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: the Triton kernels take bfloat16, float16 or float32, got {x.dtype}; cast x and "
-                        "the weight, or use backend='torch'")
+        raise TypeError(f"{fn}: the Triton kernels take floating-point tensors in bfloat16, float16 or float32, got "
+                        f"{x.dtype}; cast x and the weight, or use backend='torch'")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise TypeError(f"{fn}: the weight must match x's dtype and device ({x.dtype} on {x.device}), got "
                         f"{weight.dtype} on {weight.device}; cast one with .to()")
@@ -160,32 +171,45 @@ def gated_gemm(
     Raises:
         ValueError, TypeError: operands the kernels cannot take (the message names the fix).
     """
-    check_operands("gated_gemm", x, weight, bias)
-    epilogue = GatedEpilogue.of(epilogue)
+    if type(epilogue) is not GatedEpilogue:
+        epilogue = GatedEpilogue.of(epilogue)
+    if kernel != "auto" or config is not None or x.dim() != 2:
+        check_operands("gated_gemm", x, weight, bias)
+        return _forced(x, weight, bias, out, epilogue, _approx_tanh(x, approx_tanh), config, kernel)
+    signature = _signature(x, weight, bias, epilogue, approx_tanh)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS[signature] = _build_plan(x, weight, bias, epilogue, approx_tanh, signature[-2])
     m = x.shape[0]
-    i = weight.shape[0] // 2
     if out is None:
-        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, weight.shape[0] >> 1), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    for can_run, launch in plan:
+        if can_run is None or can_run(x, weight, out):
+            return launch(x, weight, bias, out)
+    raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
+
+
+def _approx_tanh(x: torch.Tensor, approx_tanh: bool | None) -> bool:
     if approx_tanh is None:
-        approx_tanh = default_approx_tanh(x)
-    elif approx_tanh and interpreting():
+        return default_approx_tanh(x)
+    if approx_tanh and interpreting():
         raise ValueError("gated_gemm: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
                          "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
-    if kernel == "auto" and config is None:
-        captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        for module, cfg, meta, _ in _plan(_call_key(x, i, captured), bias is not None, epilogue, approx_tanh):
-            if module.can_run(x, weight, out):
-                return module.launch(x, weight, bias, out, cfg, meta)
-        raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
-    return _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel)
+    return approx_tanh
 
 
 def _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel) -> torch.Tensor:
-    """A call that names its kernel or its config."""
+    """A call that names its kernel or its config (checked arguments; no plan cache)."""
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     if kernel == "auto":
         raise ValueError(f"gated_gemm: a config needs the kernel it is for: pass kernel= one of {KERNELS}")
     if kernel not in _MODULES:
@@ -205,7 +229,7 @@ def _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel) -> torc
             config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
         config = _fit_dtype(config, x.dtype)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    return module.launch(x, weight, bias, out, config, module.make_meta(config, epi, bias is not None, x.dtype))
+    return module.make_launcher(config, epi, bias is not None, x.dtype)(x, weight, bias, out)
 
 
 def choose(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,

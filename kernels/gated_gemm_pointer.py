@@ -27,6 +27,7 @@ import triton.language as tl
 
 from .configs import GatedGemmConfig
 from .jit_common import gated_epilogue, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -94,36 +95,26 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords for one (config, epilogue, bias, dtype).
-
-    epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH.
-    """
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I]) -> out` for
+    one (config, epilogue, bias, dtype); epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH.
+    Arguments are checked by the caller (`dispatch.gated_gemm`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    return dict(
+    kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
         HAS_BIAS=has_bias, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    ))
+    bm, bn = config.block_m, config.block_n
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        i = weight.shape[0] >> 1
+        kernel(triton.cdiv(m, bm) * triton.cdiv(i, bn), x.device.index or 0,
+               x, weight, weight if bias is None else bias, out, m, i, k,
+               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
+        return out
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict) -> torch.Tensor:
-    """Run the kernel on x [M, K], weight [2*I, K], bias [2*I] (contiguous) or None, into out [M, I].
-
-    meta: `make_meta(config, ...)`. Arguments are checked by the caller (`dispatch.gated_gemm`).
-    """
-    m, k = x.shape
-    i = weight.shape[0] // 2
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
-    _gated_gemm_fwd_kernel[grid](
-        x, weight, bias if bias is not None else weight, out,
-        m, i, k,
-        x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1),
-        out.stride(0), out.stride(1),
-        **meta,
-    )
-    return out
+    return launch

@@ -35,6 +35,7 @@ from triton.runtime import _allocation
 from .configs import GatedGemmConfig
 from .device import num_sms, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 # A split tail's tiles keep at least this many output columns (a 2 * 32-row weight box).
@@ -151,27 +152,29 @@ def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[
     return tiles, 1
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords, NUM_PROGRAMS and TAIL_SPLIT aside (per call)."""
-    return dict(
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I]) -> out` running
+    `config.programs_per_sm` persistent programs per SM; the tensors passed `can_run`."""
+    fixed = dict(
         HAS_BIAS=has_bias, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    kernels: dict[tuple[int, int], FastLaunch] = {}  # (programs, tail split) -> launcher
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        i = weight.shape[0] >> 1
+        index = x.device.index or 0
+        # a constant NUM_PROGRAMS per device compiles once whatever the tile count
+        programs = config.programs_per_sm * (num_sms(index) if x.is_cuda else 4)
+        dp_tiles, split = tail_split(m, i, config, programs)
+        kernel = kernels.get((programs, split))
+        if kernel is None:
+            kernel = kernels[programs, split] = FastLaunch(
+                _gated_gemm_tma_kernel, dict(fixed, NUM_PROGRAMS=programs, TAIL_SPLIT=split))
+        ensure_allocator()
+        kernel(programs, index, x, weight, out, weight if bias is None else bias, m, i, k, dp_tiles,
+               x.stride(0), weight.stride(0), out.stride(0))
+        return out
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict) -> torch.Tensor:
-    """Run `config.programs_per_sm` persistent programs per SM on x [M, K], weight [2*I, K],
-    bias [2*I] or None, into out [M, I]; the tensors passed `can_run`."""
-    m, k = x.shape
-    i = weight.shape[0] // 2
-    # a constant NUM_PROGRAMS per device compiles once whatever the tile count
-    programs = config.programs_per_sm * (num_sms(x.device.index or 0) if x.is_cuda else 4)
-    dp_tiles, split = tail_split(m, i, config, programs)
-    ensure_allocator()
-    _gated_gemm_tma_kernel[(programs,)](
-        x, weight, out, bias if bias is not None else weight, m, i, k, dp_tiles,
-        x.stride(0), weight.stride(0), out.stride(0),
-        NUM_PROGRAMS=programs, TAIL_SPLIT=split, **meta,
-    )
-    return out
+    return launch

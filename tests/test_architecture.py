@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"swiglu_patch": ROOT / "swiglu_patch", "swiglu_patch.kernels": ROOT / "kernels",
             "swiglu_patch.evals": ROOT / "evals"}
-LEAVES = {"layout", "epilogue", "reference", "configs", "device", "jit_common"}
+LEAVES = {"layout", "epilogue", "reference", "configs", "device", "jit_common", "launcher"}
 KERNEL_FILES = {"gated_gemm_pointer", "gated_gemm_tma", "gated_gemm_tma_grid", "gated_gemv"}
 
 
