@@ -41,7 +41,7 @@ def test_every_candidate_is_a_config_its_kernel_takes(sweep):
             assert len(labels) == len(set(labels)), (sweep, m, labels)
             for kernel, config in cands:
                 assert kernel in KERNELS
-                MODULES[kernel].make_meta(config, epilogue, False, torch.bfloat16)  # raises if refused
+                MODULES[kernel].make_launcher(config, epilogue, False, torch.bfloat16)  # raises if refused
                 assert config.block_n % 16 == 0 or kernel == "pointer"  # whole gate/up blocks per TMA box / GEMV
 
 
