@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import NoisyPatcher, build_tiny_llama
 
 from swiglu_patch import is_patched
 from swiglu_patch.evals.errors import EvalSetupError
-from helpers import NoisyPatcher
 from swiglu_patch.evals.patching import IdentityPatcher, Patcher
 from swiglu_patch.evals.report import token_verdict
 from swiglu_patch.evals.token_agreement import _cast_floating, compare_tokens, make_windows, special_prefix
-from swiglu_patch.evals.tiny_model import build_tiny_llama
 
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
