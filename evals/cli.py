@@ -50,6 +50,13 @@ def _limit(text: str) -> int | float:
     raise argparse.ArgumentTypeError(f"expected a count >= 1 or a fraction between 0 and 1, got {text!r}")
 
 
+def _ratio(text: str) -> float:
+    value = nonnegative_float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1 (fused no worse than eager), got {text!r}")
+    return value
+
+
 def _batch(text: str) -> int | str:
     if text == "auto" or text.startswith("auto:"):
         return text
@@ -103,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="token verdict without a reference: least top-1 agreement (default 0.999)")
     g.add_argument("--kl-max", type=nonnegative_float, default=1e-4,
                    help="token verdict without a reference: largest mean KL, nats/token (default 1e-4)")
-    g.add_argument("--ratio-max", type=float, default=2.0,
+    g.add_argument("--ratio-max", type=_ratio, default=2.0,
                    help="token verdict with a reference: largest KL(ref||fused) / KL(ref||eager) (default 2)")
     g.add_argument("--fail-on-difference", action="store_true", help="exit 1 if any verdict is DIFFERENCE")
 

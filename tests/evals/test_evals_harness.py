@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -188,6 +189,24 @@ def test_bad_local_data_fails_before_the_model_loads(tiny_dir, tmp_path, local, 
     with pytest.raises(EvalSetupError, match=match):
         run_eval(str(tiny_dir), _tasks_only(out, ("leaderboard_mmlu_pro",), tuple(local)))
     assert not out.exists()
+
+
+def test_tasks_on_an_unreachable_hub_fail_at_once_with_the_fix(tmp_path, monkeypatch):
+    """gpqa reads the hub, mmlu_pro local files: only gpqa is named, before any dataset is built."""
+    from swiglu_patch.evals.harness import prepare_tasks
+    from swiglu_patch.evals.local_tasks import task_manager
+
+    task_manager()  # lm-eval's task index (seconds, built once per process) is not what is timed
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    t0 = time.perf_counter()
+    with pytest.raises(EvalSetupError) as info:
+        prepare_tasks(["leaderboard_mmlu_pro", "gpqa_diamond_zeroshot"], [MMLU_PRO], tmp_path)
+    assert time.perf_counter() - t0 < 15  # datasets' retries take ~24 s per file
+    msg = str(info.value)
+    assert "gpqa_diamond_zeroshot" in msg and "leaderboard_mmlu_pro" not in msg
+    assert "does not answer" in msg and "--local-data" in msg and "HF_HUB_OFFLINE=1" in msg
 
 
 def test_unpatchable_model_fails_before_any_evaluation(tmp_path, capsys):
