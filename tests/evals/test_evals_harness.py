@@ -1,6 +1,6 @@
 """End to end through lm-eval's real evaluator, offline, on a tiny random Llama.
 
-The synthetic fixtures (evals/fixtures/) are in MMLU-Pro's and GPQA's real schemas and are
+The synthetic fixtures (tests/evals/fixtures/) are in MMLU-Pro's and GPQA's real schemas and are
 read by lm-eval's own task YAMLs with only the dataset fields overridden.
 """
 
@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from swiglu_patch.evals import EvalConfig, LoadOptions, TaskOptions, TextOptions
 from swiglu_patch.evals.errors import EvalSetupError  # noqa: E402
 from swiglu_patch.evals.patching import IdentityPatcher  # noqa: E402
 
-FIXTURES = Path(str(resources.files("swiglu_patch.evals").joinpath("fixtures")))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MMLU_PRO = f"leaderboard_mmlu_pro={FIXTURES}"
 GPQA = f"gpqa_diamond_zeroshot={FIXTURES / 'gpqa_synthetic.csv'}"
 CPU32 = LoadOptions(dtype="float32", device="cpu")
@@ -212,21 +211,20 @@ def test_tasks_on_an_unreachable_hub_fail_at_once_with_the_fix(tmp_path, monkeyp
 def test_unpatchable_model_fails_before_any_evaluation(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from swiglu_patch.evals.cli import add_arguments, main
+    from swiglu_patch.cli import main
 
     path = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259)).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--model", str(path), "--tasks", "leaderboard_mmlu_pro", "--local-data", MMLU_PRO,
-                              "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "cannot be patched" in err and "nothing was evaluated" in err
-    assert not list((tmp_path / "out").glob("lm_eval_*.json"))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["eval", "--model", str(path), "--text", str(FIXTURES / "generate.py"), "--window", "64",
+                 "--output-dir", str(out), "--device", "cpu"])
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.split("\n") if "error" in line]  # not transformers' load bar
+    assert len(errors) == 1 and errors[0].startswith("swiglu-patch eval: error:"), errors
+    assert "cannot be patched" in errors[0] and "nothing was evaluated" in errors[0]
+    assert not out.exists()
 
 
 @slow
