@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         sub = args.out / "triton_interpret"
         # float32: Triton's interpreter computes tl.dot on bf16 operands wrongly (FACTS.md)
         cmd = [sys.executable, "-m", "swiglu_patch.cli", "eval", "--model", str(ckpt), "--dtype", "float32",
-               "--device", "cpu", "--backend", "triton", "--text", str(text), "--window", str(min(args.window, args.interpret_tokens)),
-               "--max-tokens", str(args.interpret_tokens), "--text-batch-size", "1", "--output-dir", str(sub)]
+               "--device", "cpu", "--backend", "triton", "--text", str(text),
+               "--window", str(min(args.window, args.interpret_tokens)), "--max-tokens", str(args.interpret_tokens),
+               "--text-batch-size", "1", "--output-dir", str(sub)]
         print("\n$ TRITON_INTERPRET=1 " + " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
         interp = json.loads((sub / "report.json").read_text())["tokens"]

@@ -45,7 +45,7 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .config import EvalConfig, LoadOptions, TaskOptions, TextOptions, Thresholds
     from .errors import EvalSetupError
     from .harness import TaskPlan, compare_on_tasks, prepare_tasks

@@ -127,7 +127,8 @@ class TextOptions:
     reference_dtype: str = "auto"
 
     def __post_init__(self):
-        _require((self.path is None) != (self.dataset is None), "give exactly one text: a file (--text) or a dataset (--text-dataset)")
+        _require((self.path is None) != (self.dataset is None),
+                 "give exactly one text: a file (--text) or a dataset (--text-dataset)")
         _require(self.window >= 2, f"window must be >= 2 tokens, got {self.window}")
         _require(self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
         _require(self.batch_size >= 1, f"text batch_size must be >= 1, got {self.batch_size}")

@@ -214,7 +214,8 @@ def compare_tokens(
     chunk = chunk_positions or max(1, 2**25 // vocab)
     main, ref_e, ref_f = _Accumulator(device), _Accumulator(device), _Accumulator(device)
     path = patcher.path(model)
-    runs = "eager, " + (f"{str(reference_dtype).replace('torch.', '')} reference, " if reference_dtype is not None else "") + "fused"
+    ref_name = str(reference_dtype).replace("torch.", "")
+    runs = f"eager, {ref_name} reference, fused" if reference_dtype is not None else "eager, fused"
     bar = tqdm(total=n_win * (3 if reference_dtype is not None else 2), unit="window", disable=not progress,
                desc=f"token-level ({runs})", dynamic_ncols=True)
     t0 = time.perf_counter()
