@@ -263,3 +263,33 @@ def test_text_dataset_on_an_unreachable_hub_fails_at_once(tmp_path, capsys, monk
     assert_one_line_error(result, "--text-dataset no-owner/no-such-dataset", "does not answer", "HF_HUB_OFFLINE=1")
     assert time.perf_counter() - t0 < 15
     assert not (tmp_path / "out").exists()
+
+
+def test_hub_id_in_the_local_cache_is_allowed_offline(tmp_path, monkeypatch):
+    """Offline, a hub id whose config.json is in the Hugging Face cache passes the check (and
+    transformers then loads it from there); one that is not fails."""
+    import huggingface_hub.constants
+
+    from swiglu_patch.inputs import SourceError, check_source
+
+    snapshot = tmp_path / "models--some-owner--cached-model" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--some-owner--cached-model" / "refs").mkdir()
+    (tmp_path / "models--some-owner--cached-model" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert check_source("some-owner/cached-model", option="--model") == "hub"
+    with pytest.raises(SourceError, match="HF_HUB_OFFLINE=1"):
+        check_source("some-owner/other-model", option="--model")
+
+
+@pytest.mark.parametrize("package", ["swiglu_patch", "swiglu_patch.evals"])
+def test_lazily_loaded_public_names_all_resolve(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        module.not_a_name  # noqa: B018
