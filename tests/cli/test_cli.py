@@ -223,6 +223,19 @@ def test_eval_missing_text_file_leaves_no_output_folder(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_eval_tasks_without_lm_eval_say_how_to_install_it(tmp_path, capsys, monkeypatch):
+    from swiglu_patch.evals import local_tasks
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` fails, as without the package
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)
+    monkeypatch.setattr(local_tasks, "_builtin_task_manager", lambda: local_tasks._lm_eval_tasks().TaskManager())
+    model = tmp_path / "model"
+    model.mkdir()
+    argv = ["eval", "--model", model, "--tasks", "gpqa_diamond_zeroshot", "--output-dir", tmp_path / "out"]
+    assert_one_line_error(run_cli(argv, capsys), "need lm-eval", "pip install 'lm_eval", "--text")
+    assert not (tmp_path / "out").exists()
+
+
 # -- the hub, offline or unreachable --------------------------------------------------------------
 
 @pytest.mark.parametrize("command", [["eval", "--text", __file__, "--output-dir"], ["kv-capacity", "--out-dir"],
