@@ -43,7 +43,7 @@ class Operands:
         stacked: [2I, K] = [Wg; Wu], contiguous.
         gate: [I, K] view of stacked's first I rows (contiguous).
         up: [I, K] view of stacked's last I rows (contiguous).
-        packed: [2I, K] from `pack_gate_up(gate, up)`, or None if swiglu_patch is missing.
+        packed: `pack_gate_up(gate, up)` (a PackedGateUp: [2I, K] weight), or None if swiglu_patch is missing.
         activation: "silu", "gelu_tanh" or "gelu".
         backend: the `gated_linear` backend for ours ("auto" on the GPU, "torch" in dry runs).
     """
@@ -52,7 +52,7 @@ class Operands:
     stacked: torch.Tensor
     gate: torch.Tensor
     up: torch.Tensor
-    packed: torch.Tensor | None
+    packed: object | None
     activation: str
     backend: str
 

@@ -1,11 +1,31 @@
-"""Tensor-level kernels of swiglu-patch (installed as ``swiglu_patch.kernels``).
+"""Tensor-level kernels of swiglu-patch (installed as ``swiglu_patch.kernels``): tensors, never models.
 
-Knows tensors, never models. The layout and the PyTorch reference import without Triton;
-the Triton kernel is imported lazily by `swiglu_patch.functional`.
+Modules, leaves first (each imports only modules above it in this list):
+- `layout`: the interleaved gate/up layout, `PackedGateUp`, `pack_gate_up`;
+- `epilogue`: the gated epilogue's math (`GatedEpilogue`, `ACTIVATIONS`);
+- `reference`: the PyTorch reference of the fused gated linear (the spec; the CPU path);
+- `configs`: `GatedGemmConfig`, `m_bucket`; `device`: device facts; `jit_common`: shared Triton code;
+  `launcher`: `FastLaunch`, a compiled kernel's launch without Triton's per-call binding;
+- one kernel and its launcher per file: `gated_gemm_pointer`, `gated_gemm_tma`,
+  `gated_gemm_tma_grid`, `gated_gemv`;
+- `rules`: which kernel runs which call, as a table; `dispatch`: `gated_gemm`, the one entry
+  point, and `explain`.
+
+Importing this package imports neither Triton nor any kernel: `swiglu_patch.functional`
+imports `dispatch` on first use.
 """
 
-from .activations import ACTIVATIONS
-from .layout import GATE_UP_BLOCK, gate_up_rows, pack_gate_up, unpack_gate_up
+from .epilogue import ACTIVATIONS, GatedEpilogue
+from .layout import GATE_UP_BLOCK, PackedGateUp, deinterleave_gate_up, interleave_gate_up, pack_gate_up
 from .reference import gated_linear_reference
 
-__all__ = ["ACTIVATIONS", "GATE_UP_BLOCK", "gate_up_rows", "pack_gate_up", "unpack_gate_up", "gated_linear_reference"]
+__all__ = [
+    "ACTIVATIONS",
+    "GATE_UP_BLOCK",
+    "GatedEpilogue",
+    "PackedGateUp",
+    "deinterleave_gate_up",
+    "gated_linear_reference",
+    "interleave_gate_up",
+    "pack_gate_up",
+]

@@ -1,7 +1,7 @@
 """Fused gated GEMV for one token: the weight streamed through registers, no tensor cores.
 
-Computes `gated_gemm`'s function (see its docstring for the layout, dtypes and rounding) for
-M = 1, organised like a pure read of the weight rather than like a GEMM:
+Computes what `gated_gemm_pointer.py` computes (its docstring has the layout, dtypes and
+rounding) for M = 1, organised like a pure read of the weight rather than like a GEMM:
 
 - program p owns BLOCKS whole gate/up blocks of the packed weight [2*I, K]: packed rows
   32*BLOCKS*p .. +32*BLOCKS, i.e. output columns 16*BLOCKS*p .. +16*BLOCKS, gate and up rows
@@ -10,15 +10,15 @@ M = 1, organised like a pure read of the weight rather than like a GEMM:
   and the matching BLOCK_SIZE_K inputs and accumulates their products in an fp32 tile of the
   same shape, reduced over K once after the loop (no cross-thread reduction per step);
 - the epilogue splits the row sums into gate and up (a register view, as the TMA kernel's),
-  adds the bias, applies act(gate) * up in fp32 and rounds once to x's dtype.
+  adds the bias, applies the gated epilogue in fp32 and rounds once to x's dtype.
 
 Nothing goes through shared memory, so a program needs few registers and many share an SM:
-like `benchmarks/read_floor.py`'s pure read, the hardware keeps enough bytes in flight by
+like a pure read of the weight, the hardware keeps enough bytes in flight by
 occupancy and balances the SMs to the end of the call with many small programs, where the
-tensor-core kernel holds one 1 MB program per SM and drains unevenly
-(`benchmarks/decode_timeline.py`).
+tensor-core kernel holds one 1 MB program per SM and drains unevenly.
 
-Needs I % 16 == 0 (whole blocks: every real model) and a 16-bit or fp32 dtype; any strides.
+Needs M = 1 and I % 16 == 0 (whole blocks: every real model); any dtype the pointer kernel
+takes, any strides.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gated_gemm import GatedGemmConfig, _apply_activation
+from .configs import GatedGemmConfig
+from .jit_common import gated_epilogue
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -37,8 +39,8 @@ def _gated_gemv_kernel(
     I, K,
     stride_xk, stride_wn, stride_wk, stride_oi,
     HAS_BIAS: tl.constexpr,
-    ACTIVATION: tl.constexpr,
-    APPROX_TANH: tl.constexpr,
+    ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -63,41 +65,34 @@ def _gated_gemv_kernel(
     # rows are [block, gate/up, 16]: move gate/up last and split it off
     acc = tl.permute(tl.reshape(acc, (BLOCKS, 2, GATE_UP_BLOCK)), (0, 2, 1))
     gate, up = tl.split(tl.reshape(acc, (BLOCKS * GATE_UP_BLOCK, 2)))  # [BLOCKS * 16] each
-    h = _apply_activation(gate, ACTIVATION, APPROX_TANH) * up
+    h = gated_epilogue(gate, up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT)
     offs_i = tl.program_id(0) * (BLOCKS * GATE_UP_BLOCK) + tl.arange(0, BLOCKS * GATE_UP_BLOCK)
     tl.store(out_ptr + offs_i * stride_oi, h.to(out_ptr.dtype.element_ty), mask=offs_i < I)
 
 
-def gemv_supported(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `gated_gemv` can run this call: one token, whole gate/up blocks."""
-    return x.shape[0] == 1 and (packed.shape[0] // 2) % GATE_UP_BLOCK == 0
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """One token, whole gate/up blocks."""
+    return x.shape[0] == 1 and (weight.shape[0] // 2) % GATE_UP_BLOCK == 0
 
 
-def gated_gemv(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    activation_code: int,
-    approx_tanh: bool,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    config: GatedGemmConfig,
-) -> torch.Tensor:
-    """Launch the GEMV; arguments as `gated_gemm`'s, already checked by `gemv_supported`.
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
+    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I]) -> out`.
 
     config: block_n output columns per program (a multiple of 16: block_n // 16 gate/up
-    blocks), block_k inputs per step, num_warps; block_m and num_stages are ignored.
+    blocks), block_k inputs per step, num_warps; block_m, group_m and num_stages are not used.
     """
-    i = packed.shape[0] // 2
-    k = x.shape[1]
     if config.block_n % GATE_UP_BLOCK:
         raise ValueError(f"gated_gemv: block_n {config.block_n} is not a multiple of {GATE_UP_BLOCK}")
-    grid = (triton.cdiv(i, config.block_n),)
-    _gated_gemv_kernel[grid](
-        x, packed, bias if bias is not None else packed, out,
-        i, k,
-        x.stride(1), packed.stride(0), packed.stride(1), out.stride(1),
-        HAS_BIAS=bias is not None, ACTIVATION=activation_code, APPROX_TANH=approx_tanh, GATE_UP_BLOCK=GATE_UP_BLOCK,
-        BLOCKS=config.block_n // GATE_UP_BLOCK, BLOCK_SIZE_K=config.block_k,
-        num_warps=config.num_warps, num_stages=1,
-    )
-    return out
+    kernel = FastLaunch(_gated_gemv_kernel, dict(
+        HAS_BIAS=has_bias, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, BLOCKS=config.block_n // GATE_UP_BLOCK,
+        BLOCK_SIZE_K=config.block_k, num_warps=config.num_warps, num_stages=1,
+    ))
+    bn = config.block_n
+
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        i = weight.shape[0] >> 1
+        kernel(triton.cdiv(i, bn), x.device.index or 0, x, weight, weight if bias is None else bias, out,
+               i, x.shape[1], x.stride(1), weight.stride(0), weight.stride(1), out.stride(1))
+        return out
+
+    return launch

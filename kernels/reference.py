@@ -1,60 +1,54 @@
 """The PyTorch reference of the fused gated linear: the spec every test and the CPU path use.
 
-    out[M, I] = act(x @ Wg^T + bg) * (x @ Wu^T + bu)
+    out[M, I] = epilogue(x @ Wg^T + bg, x @ Wu^T + bu)      (plain: act(gate) * up)
 
-with Wg, Wu (and bg, bu) read out of the packed [2*I, K] weight (layout: `layout.py`).
-The GEMM runs in x's dtype (as nn.Linear would), the activation and product in fp32 on the
-upcast pre-activations, and the result is rounded once to x's dtype, as the kernel does.
+with Wg, Wu (and bg, bu) read out of the packed [2*I, K] weight (layout: `layout.py`; the
+epilogue: `epilogue.py`). The GEMM runs in x's dtype (as nn.Linear would), the epilogue in
+fp32 on the upcast pre-activations, and the result is rounded once to x's dtype, as the
+kernels do.
 
 Tokens are processed in chunks of `chunk_rows`, so the extra memory is a [chunk_rows, 2*I]
 pre-activation plus its fp32 halves, next to the [M, I] output the fused kernel also
-writes: peak memory stays near the kernel's for any M. Differentiable (plain torch ops).
+writes: peak memory stays near the kernel's for any M. Plain torch ops, no cached tensors:
+differentiable, and safe under inference mode, torch.compile and CUDA graphs.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from .activations import ACTIVATIONS, check_activation
-from .layout import gate_up_rows
+from .epilogue import GatedEpilogue
+from .layout import split_interleaved
 
 DEFAULT_CHUNK_ROWS = 256
 
 
-@lru_cache(maxsize=64)
-def _rows(intermediate: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return gate_up_rows(intermediate, device=device)
-
-
 def gated_linear_reference(
     x: torch.Tensor,
-    packed: torch.Tensor,
-    activation: str = "silu",
+    weight: torch.Tensor,
     bias: torch.Tensor | None = None,
+    epilogue: GatedEpilogue | str = "silu",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
 ) -> torch.Tensor:
-    """act(x @ Wg^T + bg) * (x @ Wu^T + bu) on the packed weight, in chunks of tokens.
+    """epilogue(x @ Wg^T + bg, x @ Wu^T + bu) on the packed weight, in chunks of tokens.
 
     Args:
         x: [M, K] input, any strides.
-        packed: [2*I, K] interleaved gate/up weight, x's dtype.
-        activation: one of `ACTIVATIONS`.
+        weight: [2*I, K] interleaved gate/up weight, x's dtype.
         bias: optional [2*I] interleaved gate/up bias.
+        epilogue: a `GatedEpilogue` or an activation name.
         chunk_rows: tokens per chunk.
 
     Returns:
         [M, I] tensor in x's dtype.
     """
-    check_activation("gated_linear_reference", activation)
-    act = ACTIVATIONS[activation]
-    gate_rows, up_rows = _rows(packed.shape[0] // 2, packed.device)
-    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 epilogue, as the kernel's
-    out = x.new_empty((x.shape[0], packed.shape[0] // 2))
+    epilogue = GatedEpilogue.of(epilogue)
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 epilogue, as the kernels'
+    if x.shape[0] <= chunk_rows:  # one chunk: no output buffer to fill (keeps autograd simple)
+        gate, up = split_interleaved(torch.nn.functional.linear(x, weight, bias), -1)
+        return epilogue.apply(gate.to(acc), up.to(acc)).to(x.dtype)
+    out = x.new_empty((x.shape[0], weight.shape[0] // 2))
     for start in range(0, x.shape[0], chunk_rows):
-        pre = torch.nn.functional.linear(x[start : start + chunk_rows], packed, bias)  # [m, 2I]
-        gate = pre.index_select(1, gate_rows).to(acc)
-        up = pre.index_select(1, up_rows).to(acc)
-        out[start : start + chunk_rows] = act(gate) * up
+        gate, up = split_interleaved(torch.nn.functional.linear(x[start : start + chunk_rows], weight, bias), -1)
+        out[start : start + chunk_rows] = epilogue.apply(gate.to(acc), up.to(acc))
     return out

@@ -17,9 +17,10 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "gated_linear": ".functional",
+    "GatedEpilogue": ".kernels.epilogue",
     "GATE_UP_BLOCK": ".kernels.layout",
+    "PackedGateUp": ".kernels.layout",
     "pack_gate_up": ".kernels.layout",
-    "unpack_gate_up": ".kernels.layout",
     "FusedGatedMLP": ".module",
     "PatchError": ".patch",
     "PatchReport": ".patch",
@@ -28,11 +29,12 @@ _EXPORTS = {
     "unpatch": ".patch",
 }
 
-__all__ = sorted(_EXPORTS, key=str.lower)
+__all__ = sorted(_EXPORTS)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .functional import gated_linear
-    from .kernels.layout import GATE_UP_BLOCK, pack_gate_up, unpack_gate_up
+    from .kernels.epilogue import GatedEpilogue
+    from .kernels.layout import GATE_UP_BLOCK, PackedGateUp, pack_gate_up
     from .module import FusedGatedMLP
     from .patch import PatchError, PatchReport, apply_fused_mlp, is_patched, unpatch
 

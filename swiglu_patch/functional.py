@@ -1,46 +1,51 @@
 """`gated_linear`: the one functional entry point from model glue to the kernels.
 
-Layers, bottom up: the Triton kernel (`swiglu_patch.kernels.gated_gemm`), the registered op
-``swiglu_patch::gated_gemm`` (what torch.compile and CUDA graphs see), and `gated_linear`,
-which checks its arguments once, picks a backend and flattens leading dims.
+Layers, bottom up: the kernels and their dispatcher (`swiglu_patch.kernels.dispatch.gated_gemm`),
+the registered op ``swiglu_patch::gated_gemm`` (what torch.compile and CUDA graphs see),
+`gated_linear_interleaved` (checks, picks a backend, flattens leading dims; what the fused
+module calls with its parameters) and `gated_linear`, which takes a `PackedGateUp` so that a
+weight in another layout cannot be passed by mistake.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels.activations import check_activation
+from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from .kernels.layout import PackedGateUp
 from .kernels.reference import gated_linear_reference
 
 BACKENDS = ("auto", "triton", "torch")
+_CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
+
+_dispatch_module = None
 
 
-_gated_gemm_module = None
-
-
-def _triton():
-    """The Triton kernels' module, imported on first use (the torch backend needs no Triton)."""
-    global _gated_gemm_module
-    if _gated_gemm_module is None:
+def _dispatch():
+    """The kernels' dispatcher, imported on first use (the torch backend needs no Triton)."""
+    global _dispatch_module
+    if _dispatch_module is None:
         try:
-            from .kernels import gated_gemm
+            from .kernels import dispatch
         except ImportError as e:  # triton missing (not Linux) or broken
             raise ImportError(
                 f"gated_linear: backend='triton' needs Triton ({e}); `pip install triton` on Linux, "
                 "or use backend='torch'"
             ) from e
-        _gated_gemm_module = gated_gemm
-    return _gated_gemm_module
+        _dispatch_module = dispatch
+    return _dispatch_module
 
 
 @torch.library.custom_op("swiglu_patch::gated_gemm", mutates_args=())
-def _gated_gemm_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
-    return _triton().gated_gemm(x, packed, activation, bias)
+def _gated_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                   gate_scale: float, out_scale: float, clamp: int, limit: float) -> torch.Tensor:
+    epilogue = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, _CLAMPS[clamp] or "gate")
+    return _dispatch().gated_gemm(x, weight, epilogue, bias)
 
 
 @_gated_gemm_op.register_fake
-def _(x, packed, bias, activation):
-    return x.new_empty((x.shape[0], packed.shape[0] // 2))
+def _(x, weight, bias, activation, gate_scale, out_scale, clamp, limit):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -54,7 +59,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"gated_linear: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not _triton().interpreting():
+    if backend == "triton" and device.type != "cuda" and not _dispatch().interpreting():
         raise RuntimeError(
             f"gated_linear: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
             "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use backend='torch'"
@@ -62,78 +67,83 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _check(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if packed.dim() != 2 or packed.shape[0] % 2 or packed.shape[0] == 0:
-        raise ValueError(f"gated_linear: packed_weight must be [2*I, K] with I >= 1, got shape {tuple(packed.shape)}")
-    k = packed.shape[1]
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(
-            f"gated_linear: x must have last dim {k} (the packed weight's K), got shape {tuple(x.shape)}"
-        )
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"gated_linear: x must be a floating-point tensor, got {x.dtype}")
-    if packed.dtype != x.dtype or packed.device != x.device:
-        raise TypeError(
-            f"gated_linear: packed_weight must match x's dtype and device ({x.dtype} on {x.device}), "
-            f"got {packed.dtype} on {packed.device}; cast one with .to()"
-        )
-    if bias is not None and (bias.shape != (packed.shape[0],) or bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(
-            f"gated_linear: bias must be [{packed.shape[0]}] ({x.dtype} on {x.device}), got "
-            f"{tuple(bias.shape)} ({bias.dtype} on {bias.device})"
-        )
+def gated_linear_interleaved(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    epilogue: GatedEpilogue,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """`gated_linear` on tensors the caller states are in the interleaved layout (a fused
+    module's parameters). Arguments as `gated_linear`'s, with the weight and bias unwrapped.
+
+    The hot path of a patched model's MLP: on CUDA it costs a few attribute reads before the
+    dispatcher (which checks a call's arguments once per call signature)."""
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    elif backend != "torch":
+        backend = resolve_backend(backend, x.device)
+    if x.dim() < 1 or x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"gated_linear: x must be [..., {weight.shape[-1]}] (the weight's K), got shape "
+                         f"{tuple(x.shape)}")
+    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if backend == "torch":
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"gated_linear: x must be a floating-point tensor, got {x.dtype}")
+        if weight.dtype != x.dtype or weight.device != x.device:
+            raise TypeError(f"gated_linear: the weight must match x's dtype and device ({x.dtype} on {x.device}), "
+                            f"got {weight.dtype} on {weight.device}; cast one with .to()")
+        out = gated_linear_reference(x2d, weight, bias, epilogue)
+    else:
+        if torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            raise NotImplementedError(
+                "gated_linear: the Triton kernel has no backward yet and an input requires grad; run inference "
+                "under torch.inference_mode() or torch.no_grad(), freeze the weights (model.requires_grad_(False)), "
+                "or use backend='torch' for training"
+            )
+        if torch.compiler.is_compiling():
+            out = _gated_gemm_op(x2d, weight, bias, epilogue.activation, epilogue.gate_scale, epilogue.out_scale,
+                                 CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp], epilogue.limit or 0.0)
+        else:  # eager: skip the dispatcher's overhead on the hot path
+            out = (_dispatch_module or _dispatch()).gated_gemm(x2d, weight, epilogue, bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def gated_linear(
     x: torch.Tensor,
-    packed_weight: torch.Tensor,
-    activation: str = "silu",
-    bias: torch.Tensor | None = None,
+    weight: PackedGateUp,
+    epilogue: GatedEpilogue | str = "silu",
     backend: str = "auto",
 ) -> torch.Tensor:
     """act(x @ Wg^T + bg) * (x @ Wu^T + bu), with gate and up read from one packed weight.
 
     Args:
         x: [..., K] input, any leading dims and strides; bf16, fp16 or fp32.
-        packed_weight: [2*I, K] gate/up weight interleaved by `pack_gate_up`; x's dtype/device.
-        activation: "silu", "gelu_tanh" or "gelu".
-        bias: optional [2*I] gate/up bias packed by `pack_gate_up`.
+        weight: a `PackedGateUp` from `pack_gate_up(gate_weight, up_weight[, gate_bias, up_bias])`:
+            [2*I, K] weight and optional [2*I] bias in the interleaved layout, x's dtype/device.
+        epilogue: an activation name ("silu", "gelu_tanh", "gelu") or a `GatedEpilogue`
+            (scales on the gate and the output, a SwiGLU clamp).
         backend: "auto" (Triton on CUDA tensors, PyTorch reference elsewhere), "triton" (the
-            kernel; on CPU only under TRITON_INTERPRET=1) or "torch" (the chunked reference,
-            differentiable).
+            kernel; on CPU only under TRITON_INTERPRET=1, fp16/fp32) or "torch" (the chunked
+            reference, differentiable).
 
     Returns:
         [..., I] tensor in x's dtype.
 
     Raises:
-        ValueError, TypeError: shapes, dtypes or devices that do not fit.
+        TypeError: weight is not a `PackedGateUp` (a raw tensor could be in another layout,
+            e.g. Phi-3's chunked [gate; up]), or dtypes that do not fit.
+        ValueError: shapes or devices that do not fit.
         NotImplementedError: an unsupported activation, or the Triton backend asked for a
             gradient (it has no backward yet).
     """
-    check_activation("gated_linear", activation)
-    _check(x, packed_weight, bias)
-    backend = resolve_backend(backend, x.device)
-    x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if backend == "torch":
-        return _unflatten(gated_linear_reference(x2d, packed_weight, activation, bias), x)
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"gated_linear: the Triton kernel takes bfloat16, float16 or float32, got {x.dtype}; "
-                        "cast x and the weight, or use backend='torch'")
-    if torch.is_grad_enabled() and (
-        x.requires_grad or packed_weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        raise NotImplementedError(
-            "gated_linear: the Triton kernel has no backward yet and an input requires grad; run inference "
-            "under torch.inference_mode() or torch.no_grad(), freeze the weights (model.requires_grad_(False)), "
-            "or use backend='torch' for training"
+    if not isinstance(weight, PackedGateUp):
+        raise TypeError(
+            f"gated_linear: weight must be a PackedGateUp, got {type(weight).__name__}. Build it with "
+            "pack_gate_up(gate_weight, up_weight): a raw [2*I, K] tensor is ambiguous (torch.cat([gate, up]) "
+            "is another layout and would give wrong numbers). Tensors already interleaved by pack_gate_up "
+            "can be wrapped with PackedGateUp.from_interleaved(weight, bias)."
         )
-    if torch.compiler.is_compiling():
-        out = _gated_gemm_op(x2d, packed_weight, bias, activation)
-    else:  # eager: skip the dispatcher's overhead on the hot path
-        out = _triton().gated_gemm(x2d, packed_weight, activation, bias)
-    return _unflatten(out, x)
-
-
-def _unflatten(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """[M, I] back to x's leading dims."""
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+    return gated_linear_interleaved(x, weight.weight, weight.bias, GatedEpilogue.of(epilogue), backend)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import gated_linear
-from .kernels.layout import pack_gate_up, unpack_gate_up
+from .functional import gated_linear_interleaved
+from .kernels.epilogue import GatedEpilogue
+from .kernels.layout import deinterleave_gate_up, interleave_gate_up
 from .registry import MLPFamily
 
 
@@ -26,36 +27,38 @@ class FusedGatedMLP(nn.Module):
     Args:
         original: the HF MLP module being replaced; its gate/up weights are consumed.
         family: where `original` keeps its pieces.
-        activation: the kernel activation ("silu", "gelu_tanh", "gelu").
+        epilogue: the gated epilogue (a `GatedEpilogue`, or an activation name: "silu",
+            "gelu_tanh", "gelu").
         backend: `gated_linear`'s backend.
     """
 
-    def __init__(self, original: nn.Module, family: MLPFamily, activation: str, backend: str = "auto"):
+    def __init__(self, original: nn.Module, family: MLPFamily, epilogue: GatedEpilogue | str, backend: str = "auto"):
         super().__init__()
         gate_w, up_w, gate_b, up_b = _split_original(original, family)
         requires_grad = gate_w.requires_grad
         with torch.no_grad():
-            packed = pack_gate_up(gate_w, up_w)
-            packed_bias = pack_gate_up(gate_b, up_b) if gate_b is not None else None
+            packed = interleave_gate_up(gate_w, up_w)
+            packed_bias = interleave_gate_up(gate_b, up_b) if gate_b is not None else None
         self.gate_up_interleaved = nn.Parameter(packed, requires_grad=requires_grad)
         self.gate_up_interleaved_bias = (
             nn.Parameter(packed_bias, requires_grad=requires_grad) if packed_bias is not None else None
         )
         self.down_proj = getattr(original, family.down)
-        self.activation = activation
+        self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
         self.family = family
         _release_gate_up(original, family)
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = gated_linear(x, self.gate_up_interleaved, self.activation, self.gate_up_interleaved_bias, self.backend)
+        h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
+                                     self.backend)
         return self.down_proj(h)
 
     def extra_repr(self) -> str:
         n, k = self.gate_up_interleaved.shape
         return (
-            f"hidden_size={k}, intermediate_size={n // 2}, activation={self.activation!r}, "
+            f"hidden_size={k}, intermediate_size={n // 2}, epilogue={self.epilogue.describe()!r}, "
             f"bias={self.gate_up_interleaved_bias is not None}, backend={self.backend!r}, "
             f"original={type(self._original).__name__}"
         )
@@ -69,7 +72,7 @@ class FusedGatedMLP(nn.Module):
         for suffix, packed in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
             if packed is None:
                 continue
-            gate, up = unpack_gate_up(packed if keep_vars else packed.detach())
+            gate, up = deinterleave_gate_up(packed if keep_vars else packed.detach())
             if f.gate_up_chunked:
                 out[f"{f.gate_up_chunked}.{suffix}"] = torch.cat([gate, up])
             else:
@@ -81,6 +84,8 @@ class FusedGatedMLP(nn.Module):
             destination[prefix + key] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own does (tensor_parallel's uses it)
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         f = self.family
         names = [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]
         for suffix, param in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
@@ -100,7 +105,7 @@ class FusedGatedMLP(nn.Module):
                 )
                 continue
             with torch.no_grad():
-                param.copy_(pack_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
+                param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
         if strict:
             known = set(names) | set(self._modules)
             for key in state_dict:

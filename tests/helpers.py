@@ -50,18 +50,20 @@ def tiny_model(model_type: str, dtype=torch.float32, device="cpu", **overrides):
 
 # -- kernel checks against float64 ------------------------------------------------------------
 # Pass rule (quack's): ours is within twice the error of PyTorch's own same-dtype computation
-# (two GEMMs, act, mul, as HF eager does) plus a small per-dtype epsilon.
+# (two GEMMs, then the epilogue's ops in that dtype, as HF eager does) plus a small per-dtype
+# epsilon. The float64 reference writes each epilogue's formula out (kernels/epilogue.py's
+# docstring), sharing no code with the product.
 
 CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
 ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
 EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
-DEVICE = "cuda" if CUDA else "cpu"
 
 
-def make_case(m, k, i, dtype, bias, device=DEVICE):
-    """Fresh random inputs; gate/up scaled so pre-activations are O(1)."""
-    x = torch.randn(m, k, device=device).to(dtype)
+def make_case(m, k, i, dtype, bias, device=DEVICE, scale=1.0):
+    """Fresh random inputs; gate/up scaled so pre-activations are O(scale)."""
+    x = (torch.randn(m, k, device=device) * scale).to(dtype)
     gate = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
     up = (torch.randn(i, k, device=device) / k**0.5).to(dtype)
     bg = torch.randn(i, device=device).to(dtype) if bias else None
@@ -69,21 +71,50 @@ def make_case(m, k, i, dtype, bias, device=DEVICE):
     return x, gate, up, bg, bu
 
 
-def reference64(x, gate, up, bg, bu, act):
+def packed_of(gate, up):
+    """The interleaved [2*I, K] (or [2*I]) tensor of gate and up; None for None."""
+    from swiglu_patch.kernels.layout import interleave_gate_up
+
+    return None if gate is None else interleave_gate_up(gate, up)
+
+
+def _epilogue_fields(epilogue):
+    if isinstance(epilogue, str):
+        return epilogue, 1.0, 1.0, None, "gate"
+    return epilogue.activation, epilogue.gate_scale, epilogue.out_scale, epilogue.limit, epilogue.clamp
+
+
+def epilogue64(g, u, epilogue):
+    """The gated epilogue on float64 pre-activations, written out."""
+    act, gate_scale, out_scale, limit, clamp = _epilogue_fields(epilogue)
+    g = g * gate_scale
+    if limit is not None:
+        u = torch.clamp(u, -limit, limit)
+        if clamp == "gate":
+            g = torch.clamp(g, max=limit)
+    a = ACTS[act](g)
+    if limit is not None and clamp == "activation":
+        a = torch.clamp(a, max=limit)
+    return a * u * out_scale
+
+
+def reference64(x, gate, up, bg, bu, epilogue="silu"):
     g = x.double() @ gate.double().T + (bg.double() if bg is not None else 0)
     u = x.double() @ up.double().T + (bu.double() if bu is not None else 0)
-    return ACTS[act](g) * u
+    return epilogue64(g, u, epilogue)
 
 
-def torch_same_dtype(x, gate, up, bg, bu, act):
-    return ACTS[act](F.linear(x, gate, bg)) * F.linear(x, up, bu)
+def torch_same_dtype(x, gate, up, bg, bu, epilogue="silu"):
+    from swiglu_patch.kernels.epilogue import GatedEpilogue
+
+    return GatedEpilogue.of(epilogue).apply(F.linear(x, gate, bg), F.linear(x, up, bu))
 
 
-def check(ours, x, gate, up, bg, bu, act):
-    ref = reference64(x, gate, up, bg, bu, act)
+def check(ours, x, gate, up, bg, bu, epilogue="silu"):
+    ref = reference64(x, gate, up, bg, bu, epilogue)
     assert ours.shape == ref.shape and ours.dtype == x.dtype
     assert torch.isfinite(ours).all(), "non-finite output (unwritten element or overflow)"
-    bound = 2 * rel_err(torch_same_dtype(x, gate, up, bg, bu, act), ref) + EPS[x.dtype]
+    bound = 2 * rel_err(torch_same_dtype(x, gate, up, bg, bu, epilogue), ref) + EPS[x.dtype]
     assert rel_err(ours, ref) <= bound, f"error {rel_err(ours, ref):.3g} > bound {bound:.3g}"
 
 

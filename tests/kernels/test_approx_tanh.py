@@ -1,6 +1,6 @@
 """The activation's `tanh.approx.f32` path: when it is on, and that it stays within the float64 bound.
 
-`gated_gemm` evaluates silu and gelu_tanh as g/2 + g/2 * tanh(.) with one MUFU op for
+`dispatch.gated_gemm` evaluates silu and gelu_tanh as g/2 + g/2 * tanh(.) with one MUFU op for
 bf16/fp16 inputs on the GPU (`default_approx_tanh`); fp32 and the CPU interpreter keep
 exp and a reciprocal. The GPU tests run both paths on the pointer, TMA and GEMV kernels and
 hold each to the same float64 bound as every other kernel test.
@@ -9,10 +9,10 @@ hold each to the same float64 bound as every other kernel test.
 import pytest
 import torch
 
-from swiglu_patch import pack_gate_up
-from swiglu_patch.kernels.gated_gemm import default_approx_tanh, gated_gemm, interpreting
+from helpers import CUDA, DEVICE, check, make_case, packed_of
 
-from helpers import CUDA, DEVICE, check, make_case
+from swiglu_patch.kernels.device import interpreting
+from swiglu_patch.kernels.dispatch import default_approx_tanh, gated_gemm
 
 
 def test_default_is_exact_for_fp32_and_on_cpu():
@@ -27,7 +27,7 @@ def test_default_is_exact_for_fp32_and_on_cpu():
 def test_interpreter_refuses_approx_tanh_by_name():
     x, gate, up, _, _ = make_case(3, 32, 32, torch.float16, bias=False)
     with pytest.raises(ValueError, match="approx_tanh=True needs the GPU"):
-        gated_gemm(x, pack_gate_up(gate, up), "silu", approx_tanh=True)
+        gated_gemm(x, packed_of(gate, up), "silu", approx_tanh=True)
 
 
 # (m, k, i, kernel): the one-token GEMV, the pointer kernel (decode and odd sizes), the TMA kernel
@@ -41,7 +41,7 @@ GPU_CASES = [(1, 512, 256, "gemv"), (5, 136, 100, "pointer"), (300, 256, 200, "p
 @pytest.mark.parametrize("bias", [False, True])
 def test_approx_and_exact_both_match_float64(m, k, i, kernel, dtype, act, bias):
     x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
-    packed, packed_b = pack_gate_up(gate, up), (pack_gate_up(bg, bu) if bias else None)
+    packed, packed_b = packed_of(gate, up), packed_of(bg, bu)
     outs = {}
     for approx in (True, False):
         out = torch.full((m, i), float("nan"), dtype=dtype, device="cuda")  # poisoned

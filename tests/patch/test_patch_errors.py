@@ -6,7 +6,7 @@ from helpers import tiny_config, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from swiglu_patch import PatchError, apply_fused_mlp, gated_linear, is_patched
+from swiglu_patch import PackedGateUp, PatchError, apply_fused_mlp, gated_linear, is_patched
 
 
 def test_model_without_gated_mlp():
@@ -99,4 +99,4 @@ def test_torch_backend_trains():
 
 def test_gated_linear_rejects_mismatched_weight():
     with pytest.raises(ValueError, match=r"\[2\*I, K\]"):
-        gated_linear(torch.randn(2, 8), torch.randn(7, 8))
+        gated_linear(torch.randn(2, 8), PackedGateUp.from_interleaved(torch.randn(7, 8)))

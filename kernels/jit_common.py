@@ -1,0 +1,82 @@
+"""Triton helpers every kernel shares: the tile order and the gated epilogue's math.
+
+`gated_epilogue` computes what `epilogue.GatedEpilogue.apply` specifies, in fp32, on a
+kernel's gate and up accumulators; its arguments after `up` are the constexprs of
+`GatedEpilogue.constexprs()` plus APPROX_TANH. Nothing here launches anything.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
+    """(pid_m, pid_n) of tile `tile_id` in grouped order: GROUP_SIZE_M row-tiles walk the
+    column tiles together, so the weight tiles they share stay in L2."""
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh_approx(x):
+    """tanh(x) in one MUFU op: PTX `tanh.approx.f32` (sm_75+, max relative error 2^-11)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def apply_activation(gate, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """act(gate) in fp32; codes follow `epilogue.ACTIVATION_CODES` (0 silu, 1 gelu_tanh, 2 gelu).
+
+    With APPROX_TANH (16-bit inputs on the GPU) silu and gelu_tanh take one
+    `tanh.approx.f32` per output, g/2 + g/2 * tanh(.), instead of exp and a reciprocal: one
+    MUFU op instead of two (the MUFU pipe bounds the prefill epilogue). Its error, at most
+    2^-11 of tanh, is below the rounding of a 16-bit output.
+    """
+    if ACTIVATION == 0:  # silu: g * sigmoid(g) = g/2 + g/2 * tanh(g/2)
+        if APPROX_TANH:
+            half = 0.5 * gate
+            out = half + half * _tanh_approx(half)
+        else:
+            out = gate * _sigmoid(gate)
+    elif ACTIVATION == 1:  # gelu_tanh: g/2 * (1 + tanh(inner)); tanh(z) = 2 * sigmoid(2z) - 1
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        if APPROX_TANH:
+            half = 0.5 * gate
+            out = half + half * _tanh_approx(inner)
+        else:
+            out = gate * _sigmoid(2.0 * inner)
+    else:  # gelu (erf)
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return out
+
+
+@triton.jit
+def gated_epilogue(gate, up, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_SCALE: tl.constexpr,
+                   OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr):
+    """h = OUT_SCALE * A(GATE_SCALE * gate) * C(up) in fp32 (`epilogue.py`): CLAMP 0 none,
+    1 min(g, LIMIT) before the activation, 2 min(act(g), LIMIT) after it; up is clipped to
+    [-LIMIT, LIMIT] whenever CLAMP != 0. Branches on constexprs: the plain case adds nothing."""
+    if GATE_SCALE != 1.0:
+        gate = gate * GATE_SCALE
+    if CLAMP != 0:
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    if CLAMP == 1:
+        gate = tl.minimum(gate, LIMIT)
+    a = apply_activation(gate, ACTIVATION, APPROX_TANH)
+    if CLAMP == 2:
+        a = tl.minimum(a, LIMIT)
+    h = a * up
+    if OUT_SCALE != 1.0:
+        h = h * OUT_SCALE
+    return h

@@ -1,0 +1,156 @@
+"""Which kernel runs a gated GEMM call, as data: an ordered table of rules, first match wins.
+
+A rule names a kernel ("gemv", "pointer", "grid", "tma": one file each in this package) and
+the config it runs with, and says which calls it is for: GPU name, compute capability, the
+ranges of M (tokens), K (hidden size) and I (intermediate size), and whether the call is
+being captured into a CUDA graph. `dispatch.py` takes the first rule that matches the call
+and whose kernel can run its tensors (dtype, alignment, whole gate/up blocks); the last rules
+match every call, so there is always one. fp32 calls halve the chosen block_k (shared memory).
+
+`sweep` names the measurements that chose the rule, relative to benchmarks/results/; the
+per-rule numbers are in docs/performance.md. `python -m swiglu_patch.kernels.dispatch --help`
+(or `swiglu-patch explain`) says which rule a call takes and why the earlier ones did not.
+
+Why the groups exist:
+- captured calls (CUDA graphs) may take the grid kernel, whose host-built TMA descriptors
+  cost ~50 us of host time per call that a graph pays once and an eager decode step would
+  pay on every layer;
+- decode (M <= 16) is weight-bandwidth bound: tiles per shape, the one-token GEMV at M = 1;
+- from M = 65 on Hopper the persistent TMA kernel; elsewhere the pointer kernel per M bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .configs import GatedGemmConfig as C
+
+KERNELS = ("gemv", "pointer", "grid", "tma")
+HOPPER = (9, 0)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Run `kernel` with `config` for calls inside every bound given (None: no bound).
+
+    Attributes:
+        kernel: one of `KERNELS`.
+        config: its launch config.
+        gpus: substrings of the CUDA device name (any one must match); () any device.
+        min_capability: the least compute capability, or None.
+        m, k, i: inclusive (low, high) bounds on tokens, hidden size and intermediate size.
+        captured: True only while a CUDA graph is being captured; None either way.
+        sweep: result files (under benchmarks/results/) that chose this rule.
+        why: one line on what it wins.
+    """
+
+    kernel: str
+    config: C
+    gpus: tuple[str, ...] = ()
+    min_capability: tuple[int, int] | None = None
+    m: tuple[int | None, int | None] = (None, None)
+    k: tuple[int | None, int | None] = (None, None)
+    i: tuple[int | None, int | None] = (None, None)
+    captured: bool | None = None
+    sweep: tuple[str, ...] = ()
+    why: str = ""
+
+
+H100 = ("H100",)
+H200 = ("H200",)
+HOPPERS = ("H100", "H200")
+GRID_H100 = ("h100/tune/tune_grid_h100_bf16.json", "h100/tune/tune_gridpick_h100_bf16.json")
+GRID_H200 = ("h200/tune/tune_grid_h200_bf16.json",)
+
+RULES: tuple[Rule, ...] = (
+    # -- calls captured into a CUDA graph: the one-program-per-tile TMA kernel --
+    Rule("grid", C(16, 128, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1), H200,
+         m=(2, 16), k=(2049, 4096), i=(14336, 16384), captured=True, sweep=GRID_H200,
+         why="Llama-3-8B, Gemma-2-9B decode on H200: 1.002/0.994 of cuBLAS vs 1.055/1.042 pointer"),
+    Rule("grid", C(16, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=2), H200,
+         m=(1, 16), k=(4097, 8191), i=(16385, None), captured=True, sweep=GRID_H200,
+         why="Gemma-2-27B decode on H200: 0.988 vs 1.005"),
+    Rule("grid", C(32, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=1), H200,
+         m=(17, 32), k=(4097, 8191), i=(16385, None), captured=True, sweep=GRID_H200,
+         why="Gemma-2-27B on H200: 1.000 vs 1.027"),
+    Rule("grid", C(32, 128, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=2), H200,
+         m=(17, 32), k=(2049, 4096), i=(14336, 16384), captured=True, sweep=GRID_H200,
+         why="Llama-3-8B, Gemma-2-9B on H200: 0.996/0.999 vs 1.051/1.055"),
+    Rule("grid", C(32, 128, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=2), H200,
+         m=(17, 32), k=(8192, None), i=(16385, None), captured=True, sweep=GRID_H200,
+         why="Llama-3-70B on H200: 0.990 vs 1.037"),
+    Rule("grid", C(64, 64, 64, group_m=4, num_warps=4, num_stages=3, weight_boxes=1), H200,
+         m=(33, 64), k=(None, 8191), i=(16385, None), captured=True, sweep=GRID_H200,
+         why="Qwen2.5-7B, Gemma-2-27B on H200: 0.939/0.992 vs 1.080/1.029"),
+    Rule("grid", C(16, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=2), HOPPERS,
+         m=(1, 16), k=(None, 4096), i=(16385, None), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="Qwen2.5-7B decode: 0.936-0.953 vs 0.940-0.965 pointer (H100), 0.914 vs 0.978 (H200)"),
+    Rule("grid", C(32, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=2), HOPPERS,
+         m=(17, 32), k=(None, 4096), i=(16385, None), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="Qwen2.5-7B: 0.948/0.962 vs 0.965/0.978 (H100), 0.913 vs 1.020 (H200)"),
+    Rule("grid", C(32, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=1), H100,
+         m=(33, 64), k=(None, 4096), i=(16385, None), captured=True, sweep=GRID_H100,
+         why="Qwen2.5-7B on H100: 0.956/0.954 vs 1.012/1.011"),
+    Rule("grid", C(64, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=1), HOPPERS,
+         m=(33, 64), k=(2049, 4096), i=(8192, 16384), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="Llama-3-8B, Gemma-2-9B: 0.960-0.971 vs 0.973-0.989"),
+    Rule("grid", C(64, 64, 128, group_m=4, num_warps=4, num_stages=2, weight_boxes=1), HOPPERS,
+         m=(33, 64), k=(8192, None), i=(16385, None), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="Llama-3-70B: 0.942/0.954 vs 0.954/0.960 (persistent TMA rule)"),
+    Rule("grid", C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1), HOPPERS,
+         m=(33, 64), k=(2048, None), i=(8192, None), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="Llama-3.2-1B, Gemma-2-27B: 0.987-0.991 vs 0.980-1.004; 2 stages lost 3-9%"),
+    Rule("grid", C(128, 64, 64, group_m=8, num_warps=4, num_stages=4, weight_boxes=1), HOPPERS,
+         m=(65, 128), k=(2048, None), i=(8192, 16384), captured=True, sweep=GRID_H100 + GRID_H200,
+         why="1B/8B/9B at M = 128: 1.013-1.046 vs 1.057-1.069 persistent TMA (64-112 tiles idle SMs)"),
+    # -- decode and middle M, eager or captured: tiles per GPU and shape --
+    Rule("pointer", C(16, 32, 128, num_warps=4, num_stages=4), HOPPERS, m=(1, 16), k=(None, 2048),
+         sweep=("h100/tune/tune_decode_streamk_h100_bf16.json", "h200/tune/tune_h200_bf16.json"),
+         why="K <= 2048 (Llama-3.2-1B): a 256-wide K block leaves half the 8 steps to pipeline fill"),
+    Rule("gemv", C(1, 64, 128, num_warps=8, num_stages=1), HOPPERS, m=(1, 1), k=(None, 4096), i=(14336, 16384),
+         sweep=("h100/tune/tune_gemv_h100_bf16.json", "h200/tune/tune_gemv_h200_bf16.json"),
+         why="one token, Llama-3-8B / Gemma-2-9B: 83.5 vs 84.0 us (H100), 58.8 vs 60.9 (H200)"),
+    Rule("pointer", C(16, 64, 256, num_warps=4, num_stages=3), HOPPERS, m=(1, 16), i=(4096, 16384),
+         sweep=("h100/tune/tune_decode_streamk_h100_bf16.json", "h100/tune/tune_decode_tp_h100_bf16.json",
+                "h200/tune/tune_h200_bf16.json"),
+         why="4096 <= I <= 16384 (8B, 9B, tensor-parallel shards): 0.8-2.4% faster (H100), 2-6% (H200)"),
+    Rule("pointer", C(32, 64, 128, num_warps=4, num_stages=2), H100, m=(17, 32), k=(None, 4096),
+         i=(16385, None), sweep=("h100/tune/tune_midocc_h100_bf16.json",),
+         why="Qwen2.5-7B: 2 stages keep all 296 tiles resident, 0.948 vs 0.999 of cuBLAS at M = 32"),
+    Rule("pointer", C(32, 64, 64, num_warps=4, num_stages=4), H200, m=(17, 32), k=(None, 4096),
+         i=(16385, None), sweep=("h200/tune/tune_midocc_h200_bf16.json",),
+         why="Qwen2.5-7B on H200: 0.995/1.004 vs 1.083/1.072 of cuBLAS"),
+    Rule("tma", C(64, 64, 128, group_m=4, num_warps=4, num_stages=2, programs_per_sm=2), H100,
+         m=(33, 64), k=(8192, None), i=(16385, None),
+         sweep=("h100/tune/tune_paired_h100_bf16.json", "h100/tune/tune_tmaocc_h100_bf16.json"),
+         why="Llama-3-70B: two programs per SM overlap epilogue and MMAs, 0.951 vs 0.977 of cuBLAS"),
+    # -- prefill on Hopper: the persistent TMA kernel per M bucket --
+    Rule("tma", C(64, 64, 128, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER, m=(65, 128),
+         sweep=("h100/tune/tune_h100_bf16_graph.json",), why="65 <= M <= 128: weight-bandwidth bound, small tiles"),
+    Rule("tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, warp_specialize=True, split_tail=True),
+         min_capability=HOPPER, m=(129, 1024),
+         sweep=("h100/tune/tune_h100_bf16_graph.json", "h100/tune/tune_tail_h100_bf16.json"),
+         why="one 128x256 wgmma tile; a last wave under half the SMs runs split"),
+    Rule("tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4, split_tail=True), min_capability=HOPPER,
+         m=(1025, 4096), sweep=("h100/tune/tune_h100_bf16_graph.json", "h100/tune/tune_tail_h100_bf16.json"),
+         why="as above, 4 stages"),
+    Rule("tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialize=True, split_tail=True),
+         min_capability=HOPPER, m=(4097, None),
+         sweep=("h100/tune/tune_h100_bf16_graph.json", "h100/tune/tune_tail_h100_bf16.json"),
+         why="as above, 3 stages"),
+    # -- every other call: the pointer kernel per M bucket (any GPU, dtype, strides, I) --
+    Rule("pointer", C(16, 32, 256, num_warps=4, num_stages=4), m=(None, 16),
+         sweep=("h100/tune/tune_h100_bf16_graph.json",), why="best geometric mean over six shapes (H100)"),
+    Rule("pointer", C(32, 64, 128, num_warps=4, num_stages=4), m=(17, 32),
+         sweep=("h100/tune/tune_h100_bf16_graph.json",), why="best geometric mean over six shapes (H100)"),
+    Rule("pointer", C(64, 64, 128, num_warps=4, num_stages=4), m=(33, 64),
+         sweep=("h100/tune/tune_h100_bf16_graph.json",), why="best geometric mean over six shapes (H100)"),
+    Rule("pointer", C(128, 128, 64, num_warps=8, num_stages=4), m=(65, None),
+         sweep=("h100/tune/tune_h100_bf16_graph.json",), why="pre-Hopper or unaligned prefill: two 128x128 accumulators"),
+)
+
+# A call that names a kernel without a config gets this one.
+DEFAULT_CONFIGS: dict[str, C] = {
+    "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
+    "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
+}

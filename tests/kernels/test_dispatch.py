@@ -1,0 +1,203 @@
+"""The dispatch table (kernels/rules.py) and `dispatch.gated_gemm`'s choice of kernel.
+
+Table properties (buckets, kernels, cited sweeps, full coverage), the choice per GPU and shape
+as the sweeps decided it, `explain`, and on a GPU that `gated_gemm` runs what `choose` names,
+eager and captured into a CUDA graph.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, check, make_case, packed_of
+
+from swiglu_patch.kernels import dispatch
+from swiglu_patch.kernels.configs import GatedGemmConfig as C
+from swiglu_patch.kernels.configs import m_bucket
+from swiglu_patch.kernels.rules import KERNELS, RULES
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+SHAPES_KI = {"qwen2.5-7b": (18944, 3584), "llama-3-8b": (14336, 4096), "gemma-2-9b": (14336, 3584),
+             "llama-3-70b": (28672, 8192), "gemma-2-27b": (36864, 4608), "llama-3.2-1b": (8192, 2048)}
+
+
+def test_rule_bounds_sit_on_bucket_edges():
+    """Plans are cached per M bucket: every rule must decide the same for all M of a bucket."""
+    for n, rule in enumerate(RULES):
+        low, high = rule.m
+        for m in range(1, 20000):
+            by_m = (low is None or m >= low) and (high is None or m <= high)
+            by_bucket = (low is None or m_bucket(m) >= low) and (high is None or m_bucket(m) <= high)
+            assert by_m == by_bucket, f"rule {n}: M bound {rule.m} cuts bucket {m_bucket(m)} at M = {m}"
+
+
+def test_rules_name_known_kernels_and_existing_sweeps():
+    for n, rule in enumerate(RULES):
+        assert rule.kernel in KERNELS, n
+        assert rule.sweep and rule.why, f"rule {n} says neither what measured it nor why"
+        for path in rule.sweep:
+            assert (RESULTS / path).is_file(), f"rule {n} cites {path}, which is not under benchmarks/results/"
+
+
+@pytest.mark.parametrize("gpu", [H100, H200, "NVIDIA A100-SXM4-80GB", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_call_gets_a_rule(gpu, dtype):
+    for m in (1, 2, 17, 33, 65, 129, 1025, 4097, 100000):
+        for k, i in [(64, 72), (4096, 14336), (8192, 28672)]:
+            for aligned in (True, False):
+                _, rule, config = dispatch.choose(gpu, dtype, m, k, i, captured=True, tma_aligned=aligned)
+                assert dispatch._runs(rule.kernel, dtype, m, i, aligned), (gpu, m, k, i, rule)
+
+
+def _kernel(gpu, m, name, captured=False, dtype=torch.bfloat16):
+    i, k = SHAPES_KI[name]
+    _, rule, config = dispatch.choose(gpu, dtype, m, k, i, captured)
+    return rule.kernel, config
+
+
+def test_decode_and_middle_choices_per_gpu_and_shape():
+    for gpu in (H100, H200):
+        assert _kernel(gpu, 1, "llama-3.2-1b") == ("pointer", C(16, 32, 128, num_warps=4, num_stages=4))
+        assert _kernel(gpu, 1, "llama-3-8b")[0] == _kernel(gpu, 1, "gemma-2-9b")[0] == "gemv"
+        assert _kernel(gpu, 2, "llama-3-8b") == ("pointer", C(16, 64, 256, num_warps=4, num_stages=3))
+        assert _kernel(gpu, 16, "qwen2.5-7b") == ("pointer", C(16, 32, 256, num_warps=4, num_stages=4))  # table
+        assert _kernel(gpu, 1, "llama-3-70b") == _kernel(gpu, 1, "qwen2.5-7b")
+        # a tensor-parallel shard of Llama-3-70B: 1 of 4 GPUs takes the 4096..16384 rule, 1 of 8 the table
+        assert dispatch.choose(gpu, torch.bfloat16, 1, 8192, 7168)[2] == C(16, 64, 256, num_warps=4, num_stages=3)
+        assert dispatch.choose(gpu, torch.bfloat16, 1, 8192, 3584)[2] == C(16, 32, 256, num_warps=4, num_stages=4)
+        assert _kernel(gpu, 32, "llama-3-8b") == ("pointer", C(32, 64, 128, num_warps=4, num_stages=4))
+        assert _kernel(gpu, 256, "llama-3-8b")[0] == "tma"
+        assert _kernel(gpu, 2, "llama-3-8b", dtype=torch.float32)[1].block_k == 128  # fp32: halved
+    assert _kernel(H100, 32, "qwen2.5-7b")[1] != _kernel(H200, 32, "qwen2.5-7b")[1]  # a tile per GPU
+    assert _kernel(H100, 64, "llama-3-70b") == ("tma", C(64, 64, 128, group_m=4, num_warps=4, num_stages=2,
+                                                           programs_per_sm=2))
+    assert _kernel(H200, 64, "llama-3-70b")[0] == "pointer"  # not measured on the H200
+    assert _kernel("NVIDIA A100-SXM4-80GB", 1, "llama-3-8b")[0] == "pointer"  # no rule measured there
+    assert _kernel("NVIDIA A100-SXM4-80GB", 1024, "llama-3-8b")[0] == "pointer"  # no TMA before Hopper
+
+
+# What a captured call runs per (M, shape) on each GPU, from the sweeps the rules cite; a pair
+# not listed runs what an eager call runs.
+def _g(bm, bn, bk, stages, boxes, group_m=4):
+    return C(bm, bn, bk, group_m=group_m, num_warps=4, num_stages=stages, weight_boxes=boxes)
+
+
+_Q16, _Q32, _N64, _A64, _N128 = (_g(16, 64, 128, 2, 2), _g(32, 64, 128, 2, 2), _g(64, 64, 128, 2, 1),
+                                 _g(64, 64, 128, 3, 1), _g(128, 64, 64, 4, 1, group_m=8))
+GRAPH_PICKS = {
+    H100: {(1, "qwen2.5-7b"): _Q16, (16, "qwen2.5-7b"): _Q16, (32, "qwen2.5-7b"): _Q32,
+           (64, "qwen2.5-7b"): _g(32, 64, 128, 2, 1), (64, "llama-3-8b"): _N64, (64, "gemma-2-9b"): _N64,
+           (64, "llama-3-70b"): _N64, (64, "gemma-2-27b"): _A64, (64, "llama-3.2-1b"): _A64,
+           (128, "llama-3-8b"): _N128, (128, "gemma-2-9b"): _N128, (128, "llama-3.2-1b"): _N128},
+    H200: {(1, "qwen2.5-7b"): _Q16, (16, "qwen2.5-7b"): _Q16, (32, "qwen2.5-7b"): _Q32,
+           (16, "llama-3-8b"): _g(16, 128, 128, 3, 1), (16, "gemma-2-9b"): _g(16, 128, 128, 3, 1),
+           (1, "gemma-2-27b"): _g(16, 64, 128, 2, 2), (16, "gemma-2-27b"): _g(16, 64, 128, 2, 2),
+           (32, "gemma-2-27b"): _g(32, 64, 128, 2, 1), (32, "llama-3-8b"): _g(32, 128, 128, 3, 2),
+           (32, "gemma-2-9b"): _g(32, 128, 128, 3, 2), (32, "llama-3-70b"): _g(32, 128, 128, 3, 2),
+           (64, "qwen2.5-7b"): _g(64, 64, 64, 3, 1), (64, "gemma-2-27b"): _g(64, 64, 64, 3, 1),
+           (64, "llama-3-8b"): _N64, (64, "gemma-2-9b"): _N64, (64, "llama-3-70b"): _N64,
+           (64, "llama-3.2-1b"): _A64, (128, "llama-3-8b"): _N128, (128, "gemma-2-9b"): _N128,
+           (128, "llama-3.2-1b"): _N128},
+}
+
+
+@pytest.mark.parametrize("gpu", [H100, H200])
+def test_graph_rules_apply_only_to_captured_calls(gpu):
+    """The grid kernel runs only for calls captured into a CUDA graph, with the tiles each GPU's
+    sweep picked; the GEMV keeps M = 1 on Llama-3-8B / Gemma-2-9B, captured or not."""
+    for m in (1, 16, 32, 64, 128, 256):
+        for name in SHAPES_KI:
+            eager = _kernel(gpu, m, name)
+            assert eager[0] != "grid", (m, name)
+            want = GRAPH_PICKS[gpu].get((m, name))
+            assert _kernel(gpu, m, name, captured=True) == (("grid", want) if want else eager), (m, name)
+    assert _kernel(gpu, 1, "llama-3-8b", captured=True)[0] == "gemv"
+    assert dispatch.choose(gpu, torch.bfloat16, 64, 8192, 3584, True)[1].kernel == "pointer"  # a 70B TP shard
+    reached = set(GRAPH_PICKS[H100].values()) | set(GRAPH_PICKS[H200].values())
+    assert {r.config for r in RULES if r.kernel == "grid"} == reached  # every grid rule is reached
+
+
+def test_explain_names_the_rule_and_why_the_others_missed():
+    text = dispatch.explain(H100, torch.bfloat16, 8, 4096, 14336, captured=True)
+    assert "CHOSEN" in text and text.count("CHOSEN") == 1
+    assert "pointer" in text.split("CHOSEN")[0].splitlines()[-1]
+    assert "K = 4096 is outside ..2048" in text and "M = 8 is outside 1..1" in text
+    assert "benchmarks/results/h100/tune/" in text
+    unaligned = dispatch.explain(H100, torch.bfloat16, 512, 4096, 14336, tma_aligned=False)
+    assert "the tma kernel cannot run these tensors" in unaligned
+
+
+def test_plans_hold_no_tensors():
+    x, gate, up, _, _ = make_case(3, 32, 48, torch.float32, bias=False)
+    dispatch.gated_gemm(x, packed_of(gate, up))
+    assert dispatch._PLANS
+
+    def tensors_in(obj, depth=0):
+        if isinstance(obj, torch.Tensor):
+            return True
+        if depth > 3:
+            return False
+        if isinstance(obj, dict):
+            return any(tensors_in(v, depth + 1) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return any(tensors_in(v, depth + 1) for v in obj)
+        cells = getattr(obj, "__closure__", None) or ()
+        return any(tensors_in(c.cell_contents, depth + 1) for c in cells) or tensors_in(
+            getattr(obj, "__dict__", {}), depth + 1)
+
+    for signature, plan in dispatch._PLANS.items():
+        assert not tensors_in(signature) and not tensors_in(plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [1, 5, 16, 27])
+def test_every_rule_config_runs_correctly_here(m):
+    """Every config of the table, on its kernel where this device can run it, on a shape whose
+    I and K are no multiple of any block (bf16 on the GPU, fp16 in the interpreter)."""
+    dtype = torch.bfloat16 if CUDA else torch.float16
+    x, gate, up, bg, bu = make_case(m, 1000, 600, dtype, bias=True)
+    for rule in RULES:
+        if rule.kernel != "pointer" or (not CUDA and rule.config.block_m * rule.config.block_n > 64 * 64):
+            continue  # TMA/GEMV tiles need I % 16 == 0 (their tests run them); big tiles are slow interpreted
+        out = torch.full((m, 600), float("nan"), dtype=dtype, device=DEVICE)
+        dispatch.gated_gemm(x, packed_of(gate, up), "silu", packed_of(bg, bu), out=out, config=rule.config,
+                            kernel="pointer")
+        check(out, x, gate, up, bg, bu, "silu")
+
+
+@pytest.mark.skipif(not CUDA, reason="the rules name GPUs; the interpreter takes the pointer kernel")
+@pytest.mark.parametrize("m,k,i", [(1, 4096, 14336), (16, 1000, 16400), (64, 8192, 16400), (64, 1024, 16400),
+                                   (300, 512, 1040)])
+def test_auto_runs_what_choose_names_eager_and_captured(monkeypatch, m, k, i):
+    """gated_gemm(kernel='auto') launches the kernel `choose` names, eager and inside CUDA-graph
+    capture, and the replayed output matches float64."""
+    x, gate, up, bg, bu = make_case(m, k, i, torch.bfloat16, bias=True)
+    packed, bias = packed_of(gate, up), packed_of(bg, bu)
+    ran = []
+    for name, module in dispatch._MODULES.items():
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda *a, real=real, name=name: ran.append((name, a[4])) or real(*a))
+    name = torch.cuda.get_device_name(0)
+    for captured in (False, True):
+        _, rule, config = dispatch.choose(name, torch.bfloat16, m, k, i, captured)
+        dispatch.gated_gemm(x, packed, "silu", bias)  # compiles outside any capture
+        out = torch.full((m, i), float("nan"), dtype=x.dtype, device=DEVICE)
+        ran.clear()
+        if captured:
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm the captured call's kernel outside the capture
+                dispatch.gated_gemm(x, packed, "silu", bias, config=config, kernel=rule.kernel)
+            torch.cuda.current_stream().wait_stream(side)
+            ran.clear()
+            with torch.cuda.graph(graph):
+                dispatch.gated_gemm(x, packed, "silu", bias, out=out)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+        else:
+            dispatch.gated_gemm(x, packed, "silu", bias, out=out)
+        assert ran == [(rule.kernel, config)], (captured, ran)
+        check(out, x, gate, up, bg, bu, "silu")
