@@ -2,9 +2,9 @@
 
 From the repository root:
 
-    python -m benchmarks.accuracy_gemma3 --out benchmarks/results/accuracy_gemma3_270m_cpu \\
+    python -m benchmarks.accuracy_gemma3 --out benchmarks/results/cpu/accuracy_gemma3 \\
         --limit 3000 --max-tokens 8192 --interpret-tokens 1024              # CPU (bf16), ~25 min
-    python -m benchmarks.accuracy_gemma3 --out benchmarks/results/accuracy_gemma3_270m_h100 \\
+    python -m benchmarks.accuracy_gemma3 --out benchmarks/results/h100/accuracy_gemma3 \\
         --device cuda --batch-size 8 --text-batch-size 8 --max-tokens 262144 --limit 6000   # GPU, ~4 min
 
 Everything offline, each input prepared once under --work-dir (default ~/.cache/swiglu_patch):

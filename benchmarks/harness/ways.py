@@ -60,7 +60,7 @@ class Operands:
 def swiglu_patch_missing() -> str | None:
     """None if `swiglu_patch` imports, else the reason and the fix."""
     try:
-        import swiglu_patch  # noqa: F401
+        from swiglu_patch import gated_linear  # noqa: F401  (imports the kernels, which need the install)
     except ImportError as e:
         return f"swiglu_patch does not import ({e}); run `pip install --no-deps -e .` in the repo root"
     return None
