@@ -10,15 +10,13 @@ argument checks, one dictionary lookup and the launch. Every rule bound on M is 
 edge (`configs.m_bucket`: powers of two, and one past them), which a test checks, so one
 entry per bucket is exact.
 
-`explain(...)` says which rule a call takes and why each earlier rule did not match; run
-``python -m swiglu_patch.kernels.dispatch --help`` for the command line.
+`explain(...)` says which rule a call takes and why each earlier rule did not match
+(`swiglu-patch explain` on the command line).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import torch
 
@@ -281,44 +279,3 @@ def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool
             lines.append(f"  measured in: {', '.join('benchmarks/results/' + s for s in rule.sweep)}")
         return "\n".join(lines)
     raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
-
-
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp32": torch.float32, "float32": torch.float32}
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `explain`'s command line."""
-    parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="CUDA device name (default: an H100); 'cpu'")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_NAMES))
-    parser.add_argument("--m", type=_positive, required=True, help="tokens in the call")
-    parser.add_argument("--k", type=_positive, required=True, help="hidden size")
-    parser.add_argument("--i", type=_positive, required=True, help="intermediate size")
-    parser.add_argument("--captured", action="store_true", help="the call is captured into a CUDA graph")
-    parser.add_argument("--unaligned", action="store_true", help="x, weight or out is not TMA-aligned")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Print `explain` for the parsed arguments."""
-    print(explain(args.gpu, _DTYPE_NAMES[args.dtype], args.m, args.k, args.i, args.captured,
-                  tma_aligned=not args.unaligned))
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(
-        prog="python -m swiglu_patch.kernels.dispatch",
-        description="Say which gated GEMM kernel and config a call runs, and why.",
-        epilog="example: python -m swiglu_patch.kernels.dispatch --m 16 --k 4096 --i 14336 --captured")
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))

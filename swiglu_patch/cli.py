@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "eval": ("swiglu_patch.evals.cli", "does the model answer the same with its MLPs fused? (lm-eval tasks, text)"),
     "memory": ("swiglu_patch.memory.profile_cli", "peak activation memory, eager MLP against fused (measured on CUDA)"),
     "kv-capacity": ("swiglu_patch.memory.kv_cli", "KV-cache tokens the fused MLP frees on a GPU (arithmetic, any machine)"),
+    "explain": ("swiglu_patch.explain_cli", "which kernel and config a gated GEMM call runs, and why (any machine)"),
 }
 
 DESCRIPTION = """\
@@ -30,6 +31,7 @@ examples:
   swiglu-patch eval --model ./my-checkpoint --text book.txt
   swiglu-patch memory --model llama-3.1-8b --tokens 512,8192
   swiglu-patch kv-capacity --model llama-3.1-8b --gpu H100
+  swiglu-patch explain --m 16 --k 4096 --i 14336 --captured
 
 `swiglu-patch COMMAND --help` describes each command. Without the Hugging Face hub, set
 HF_HUB_OFFLINE=1 and give local paths.

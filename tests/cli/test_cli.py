@@ -306,3 +306,13 @@ def test_lazily_loaded_public_names_all_resolve(package):
         assert getattr(module, name) is not None, name
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
         module.not_a_name  # noqa: B018
+
+
+def test_explain_names_the_chosen_rule():
+    done = subprocess.run([sys.executable, "-m", "swiglu_patch.cli", "explain", "--m", "1", "--k", "4096", "--i",
+                           "14336"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "gemv" in done.stdout.split("CHOSEN")[0].splitlines()[-1] and "benchmarks/results/h100/tune/" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "swiglu_patch.cli", "explain", "--m", "0", "--k", "4096", "--i", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
