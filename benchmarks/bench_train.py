@@ -572,7 +572,7 @@ def compiled_kernels() -> list[dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/train"))
+    p.add_argument("--out", type=Path, required=True, help="output folder (train.json, train.md)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU through Triton's interpreter")
     p.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     p.add_argument("--budget-s", type=float, default=420.0,

@@ -5,6 +5,7 @@ Modules, leaves first (each imports only modules above it in this list):
 - `epilogue`: the gated epilogue's math (`GatedEpilogue`, `ACTIVATIONS`);
 - `reference`: the PyTorch reference of the fused gated linear (the spec; the CPU path);
 - `configs`: `GatedGemmConfig`, `m_bucket`; `device`: device facts; `jit_common`: shared Triton code;
+  `launcher`: `FastLaunch`, a compiled kernel's launch without Triton's per-call binding;
 - one kernel and its launcher per file: `gated_gemm_pointer`, `gated_gemm_tma`,
   `gated_gemm_tma_grid`, `gated_gemv`;
 - `rules`: which kernel runs which call, as a table; `dispatch`: `gated_gemm`, the one entry

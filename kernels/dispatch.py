@@ -10,8 +10,8 @@ argument checks, one dictionary lookup and the launch. Every rule bound on M is 
 edge (`configs.m_bucket`: powers of two, and one past them), which a test checks, so one
 entry per bucket is exact.
 
-`explain(...)` says which rule a call takes and why each earlier rule did not match; run
-``python -m swiglu_patch.kernels.dispatch --help`` for the command line.
+`explain(...)` says which rule a call takes and why each earlier rule did not match
+(`swiglu-patch explain` on the command line).
 
 Training (the section at the end): `gated_gemm_with_preact` also stores the pre-activation
 for the backward (the pointer and TMA kernels' STORE_PREACT), and `gated_backward` runs the
@@ -21,9 +21,7 @@ backward GEMM dY @ Wd with the gated derivative in its epilogue, chosen from
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import torch
 
@@ -82,32 +80,43 @@ def candidates(key: CallKey) -> list[tuple[int, Rule]]:
     return [(n, r) for n, r in enumerate(RULES) if mismatch(r, key) is None]
 
 
-# (CallKey at the bucket's M, has_bias, epilogue, approx_tanh, tf32) -> [(module, config, meta, rule index)].
-# Plain values only: configs, dicts of constexprs and module references.
-_PLANS: dict[tuple, list[tuple]] = {}
+# Per call signature (see `_signature`) the candidates' (can_run or None, launcher), in rule order.
+# Plain values only: predicates and launchers (closures over configs and constexprs), no tensors.
+_PLANS: dict[tuple, tuple] = {}
+_BUCKETS = [m_bucket(m) for m in range(8193)]
 
 
-def _plan(key: CallKey, has_bias: bool, epilogue: GatedEpilogue, approx_tanh: bool) -> list[tuple]:
-    tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    cache_key = (key, has_bias, epilogue, approx_tanh, tf32)
-    plan = _PLANS.get(cache_key)
-    if plan is None:
-        epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-        plan = []
-        for n, rule in candidates(key):
-            config = _fit_dtype(rule.config, key.dtype)
-            module = _MODULES[rule.kernel]
-            plan.append((module, config, module.make_meta(config, epi, has_bias, key.dtype), n))
-        _PLANS[cache_key] = plan
-    return plan
+def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
+               approx_tanh: bool | None) -> tuple:
+    """Everything the plan and the argument checks depend on, as one hashable tuple: a call whose
+    signature was seen before needs neither again."""
+    m = x.shape[0]
+    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, x.shape[-1], weight.dtype,
+            weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
+            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+            x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _build_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
+                approx_tanh: bool | None, captured: bool) -> tuple:
+    check_operands("gated_gemm", x, weight, bias)
+    approx = _approx_tanh(x, approx_tanh)
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
+    plan = []
+    for _, rule in candidates(_call_key(x, weight.shape[0] // 2, captured)):
+        config = _fit_dtype(rule.config, x.dtype)
+        module = _MODULES[rule.kernel]
+        plan.append((None if module is gated_gemm_pointer else module.can_run,
+                     module.make_launcher(config, epi, bias is not None, x.dtype)))
+    return tuple(plan)
 
 
 def _call_key(x: torch.Tensor, i: int, captured: bool, m: int | None = None) -> CallKey:
+    m = m_bucket(x.shape[0] if m is None else m)
     if x.is_cuda:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        return CallKey(gpu_name(index), capability(index), x.dtype, m_bucket(x.shape[0] if m is None else m),
-                       x.shape[1], i, captured)
-    return CallKey("cpu", None, x.dtype, m_bucket(x.shape[0] if m is None else m), x.shape[1], i, captured)
+        return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured)
+    return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured)
 
 
 def default_approx_tanh(x: torch.Tensor) -> bool:
@@ -124,8 +133,8 @@ def check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{fn}: x must be [M, {weight.shape[1]}] (the weight's K), got shape {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: the Triton kernels take bfloat16, float16 or float32, got {x.dtype}; cast x and "
-                        "the weight, or use backend='torch'")
+        raise TypeError(f"{fn}: the Triton kernels take floating-point tensors in bfloat16, float16 or float32, got "
+                        f"{x.dtype}; cast x and the weight, or use backend='torch'")
     if weight.dtype != x.dtype or weight.device != x.device:
         raise TypeError(f"{fn}: the weight must match x's dtype and device ({x.dtype} on {x.device}), got "
                         f"{weight.dtype} on {weight.device}; cast one with .to()")
@@ -167,32 +176,45 @@ def gated_gemm(
     Raises:
         ValueError, TypeError: operands the kernels cannot take (the message names the fix).
     """
-    check_operands("gated_gemm", x, weight, bias)
-    epilogue = GatedEpilogue.of(epilogue)
+    if type(epilogue) is not GatedEpilogue:
+        epilogue = GatedEpilogue.of(epilogue)
+    if kernel != "auto" or config is not None or x.dim() != 2:
+        check_operands("gated_gemm", x, weight, bias)
+        return _forced(x, weight, bias, out, epilogue, _approx_tanh(x, approx_tanh), config, kernel)
+    signature = _signature(x, weight, bias, epilogue, approx_tanh)
+    plan = _PLANS.get(signature)
+    if plan is None:
+        plan = _PLANS[signature] = _build_plan(x, weight, bias, epilogue, approx_tanh, signature[-2])
     m = x.shape[0]
-    i = weight.shape[0] // 2
     if out is None:
-        out = torch.empty((m, i), dtype=x.dtype, device=x.device)
+        out = torch.empty((m, weight.shape[0] >> 1), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    for can_run, launch in plan:
+        if can_run is None or can_run(x, weight, out):
+            return launch(x, weight, bias, out)
+    raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
+
+
+def _approx_tanh(x: torch.Tensor, approx_tanh: bool | None) -> bool:
     if approx_tanh is None:
-        approx_tanh = default_approx_tanh(x)
-    elif approx_tanh and interpreting():
+        return default_approx_tanh(x)
+    if approx_tanh and interpreting():
         raise ValueError("gated_gemm: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
                          "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
-    if kernel == "auto" and config is None:
-        captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        for module, cfg, meta, _ in _plan(_call_key(x, i, captured), bias is not None, epilogue, approx_tanh):
-            if module.can_run(x, weight, out):
-                return module.launch(x, weight, bias, out, cfg, meta)
-        raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
-    return _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel)
+    return approx_tanh
 
 
 def _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel) -> torch.Tensor:
-    """A call that names its kernel or its config."""
+    """A call that names its kernel or its config (checked arguments; no plan cache)."""
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0:
+        return out
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     if kernel == "auto":
         raise ValueError(f"gated_gemm: a config needs the kernel it is for: pass kernel= one of {KERNELS}")
     if kernel not in _MODULES:
@@ -212,7 +234,7 @@ def _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel) -> torc
             config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
         config = _fit_dtype(config, x.dtype)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    return module.launch(x, weight, bias, out, config, module.make_meta(config, epi, bias is not None, x.dtype))
+    return module.make_launcher(config, epi, bias is not None, x.dtype)(x, weight, bias, out)
 
 
 def choose(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
@@ -266,56 +288,15 @@ def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool
     raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
 
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp32": torch.float32, "float32": torch.float32}
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `explain`'s command line."""
-    parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="CUDA device name (default: an H100); 'cpu'")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_NAMES))
-    parser.add_argument("--m", type=_positive, required=True, help="tokens in the call")
-    parser.add_argument("--k", type=_positive, required=True, help="hidden size")
-    parser.add_argument("--i", type=_positive, required=True, help="intermediate size")
-    parser.add_argument("--captured", action="store_true", help="the call is captured into a CUDA graph")
-    parser.add_argument("--unaligned", action="store_true", help="x, weight or out is not TMA-aligned")
-
-
-def main(args: argparse.Namespace) -> int:
-    """Print `explain` for the parsed arguments."""
-    print(explain(args.gpu, _DTYPE_NAMES[args.dtype], args.m, args.k, args.i, args.captured,
-                  tma_aligned=not args.unaligned))
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(
-        prog="python -m swiglu_patch.kernels.dispatch",
-        description="Say which gated GEMM kernel and config a call runs, and why.",
-        epilog="example: python -m swiglu_patch.kernels.dispatch --m 16 --k 4096 --i 14336 --captured")
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
-
-
 # ===================================================================================== #
 # Training: the forward that keeps the pre-activation, and the backward GEMM.            #
 # ===================================================================================== #
 
 _BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma": gated_backward_tma}
-# (CallKey, has_bias, epilogue, approx_tanh, tf32) -> [(module, config, meta)]: STORE_PREACT plans.
-_PREACT_PLANS: dict[tuple, list[tuple]] = {}
-# (CallKey, epilogue, approx_tanh, tf32) -> [(module, config, meta)]: backward plans.
-_BACKWARD_PLANS: dict[tuple, list[tuple]] = {}
+# (CallKey, has_bias, epilogue, approx_tanh, tf32) -> ((can_run, launcher), ...): STORE_PREACT plans.
+_PREACT_PLANS: dict[tuple, tuple] = {}
+# (CallKey, epilogue, approx_tanh, tf32) -> ((can_run, launcher), ...): backward plans.
+_BACKWARD_PLANS: dict[tuple, tuple] = {}
 
 
 def _resolve_approx_tanh(fn: str, t: torch.Tensor, approx_tanh: bool | None) -> bool:
@@ -383,16 +364,13 @@ def gated_gemm_with_preact(
         plan = _PREACT_PLANS.get(cache_key)
         if plan is None:
             epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-            plan = []
-            for _, rule in candidates(key):
-                if rule.kernel in PREACT_KERNELS:
-                    cfg = _fit_dtype(rule.config, key.dtype)
-                    module = _MODULES[rule.kernel]
-                    plan.append((module, cfg, module.make_meta(cfg, epi, bias is not None, key.dtype, True)))
-            _PREACT_PLANS[cache_key] = plan
-        for module, cfg, meta in plan:
-            if module.can_run(x, weight, out, preact_out):
-                module.launch(x, weight, bias, out, cfg, meta, preact_out)
+            plan = _PREACT_PLANS[cache_key] = tuple(
+                (_MODULES[r.kernel].can_run, _MODULES[r.kernel].make_launcher(
+                    _fit_dtype(r.config, key.dtype), epi, bias is not None, key.dtype, True))
+                for _, r in candidates(key) if r.kernel in PREACT_KERNELS)
+        for can_run, launch in plan:
+            if can_run(x, weight, out, preact_out):
+                launch(x, weight, bias, out, preact_out)
                 return out, preact_out
         raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
     if kernel not in PREACT_KERNELS:
@@ -409,8 +387,7 @@ def gated_gemm_with_preact(
         config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
     config = _fit_dtype(config, x.dtype)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    module.launch(x, weight, bias, out, config, module.make_meta(config, epi, bias is not None, x.dtype, True),
-                  preact_out)
+    module.make_launcher(config, epi, bias is not None, x.dtype, True)(x, weight, bias, out, preact_out)
     return out, preact_out
 
 
@@ -491,16 +468,14 @@ def gated_backward(
         plan = _BACKWARD_PLANS.get(cache_key)
         if plan is None:
             epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-            plan = []
-            for rule in BACKWARD_RULES:
-                if mismatch(rule, key) is None:
-                    cfg = _fit_dtype(rule.config, key.dtype)
-                    module = _BACKWARD_MODULES[rule.kernel]
-                    plan.append((module, cfg, module.make_meta(cfg, epi, key.dtype)))
-            _BACKWARD_PLANS[cache_key] = plan
-        for module, cfg, meta in plan:
-            if module.can_run(*args):
-                _launch_backward(module, args, cfg, meta)
+            plan = _BACKWARD_PLANS[cache_key] = tuple(
+                (_BACKWARD_MODULES[r.kernel].can_run, _BACKWARD_MODULES[r.kernel].make_launcher(
+                    _fit_dtype(r.config, key.dtype), epi, key.dtype))
+                for r in BACKWARD_RULES if mismatch(r, key) is None)
+        for can_run, launch in plan:
+            if can_run(*args):
+                gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
+                launch(*args)
                 return dpreact_out, h_out
         raise AssertionError("rules.BACKWARD_RULES ends with pointer rules that match every call")  # unreachable
     if kernel not in _BACKWARD_MODULES:
@@ -514,14 +489,9 @@ def gated_backward(
         config = next(r.config for r in BACKWARD_RULES if r.kernel == kernel and mismatch(r, key) is None)
     config = _fit_dtype(config, dy.dtype)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    _launch_backward(module, args, config, module.make_meta(config, epi, dy.dtype))
+    gated_gemm_tma.ensure_allocator()
+    module.make_launcher(config, epi, dy.dtype)(*args)
     return dpreact_out, h_out
-
-
-def _launch_backward(module, args, config, meta) -> None:
-    if module is gated_backward_tma:
-        gated_gemm_tma.ensure_allocator()
-    module.launch(*args, config, meta)
 
 
 def explain_backward(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .configs import GatedGemmConfig
 from .jit_common import gated_epilogue_grad, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -97,35 +98,27 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
     return True
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords for one (config, epilogue, dtype).
-
-    epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH.
-    """
+def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
+    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I])` for
+    one (config, epilogue, dtype) writing dP (may be preact itself) and h; epilogue:
+    `GatedEpilogue.constexprs()` plus APPROX_TANH. Arguments are checked by the caller (`dispatch`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    return dict(
+    kernel = FastLaunch(_gated_backward_kernel, dict(
         **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    ))
+    bm, bn = config.block_m, config.block_n
 
+    def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
+               h: torch.Tensor) -> None:
+        m, k = dy.shape
+        i = down_weight.shape[1]
+        kernel(triton.cdiv(m, bm) * triton.cdiv(i, bn), dy.device.index or 0,
+               dy, down_weight, preact, dpreact, h, m, i, k,
+               dy.stride(0), dy.stride(1), down_weight.stride(0), down_weight.stride(1),
+               preact.stride(0), preact.stride(1), dpreact.stride(0), dpreact.stride(1), h.stride(0), h.stride(1))
 
-def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-           h: torch.Tensor, config: GatedGemmConfig, meta: dict) -> None:
-    """Run the kernel on dY [M, K], Wd [K, I] and P [M, 2*I], writing dP [M, 2*I] (may be P) and
-    h [M, I]. meta: `make_meta(config, ...)`. Arguments are checked by the caller (`dispatch`)."""
-    m, k = dy.shape
-    i = down_weight.shape[1]
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
-    _gated_backward_kernel[grid](
-        dy, down_weight, preact, dpreact, h,
-        m, i, k,
-        dy.stride(0), dy.stride(1),
-        down_weight.stride(0), down_weight.stride(1),
-        preact.stride(0), preact.stride(1),
-        dpreact.stride(0), dpreact.stride(1),
-        h.stride(0), h.stride(1),
-        **meta,
-    )
+    return launch

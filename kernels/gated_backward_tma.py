@@ -30,6 +30,7 @@ import triton.language as tl
 from .configs import GatedGemmConfig
 from .device import num_sms, tma_aligned
 from .jit_common import gated_epilogue_grad, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -106,30 +107,31 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
     )
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords, NUM_PROGRAMS aside (per device).
-
-    epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH. config.block_n must be a multiple
-    of 2 * GATE_UP_BLOCK (each epilogue half holds whole gate/up blocks).
-    """
+def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
+    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I])`
+    running `config.programs_per_sm` persistent programs per SM, writing dP (may be preact itself)
+    and h; the tensors passed `can_run`. config.block_n must be a multiple of 2 * GATE_UP_BLOCK
+    (each epilogue half holds whole gate/up blocks). The device-built descriptors need Triton's
+    scratch allocator set (`dispatch` sets it)."""
     if config.block_n % (2 * GATE_UP_BLOCK):
         raise ValueError(f"gated_backward_tma: block_n must be a multiple of {2 * GATE_UP_BLOCK}, got {config.block_n}")
-    return dict(
+    fixed = dict(
         **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
+    def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
+               h: torch.Tensor) -> None:
+        m, k = dy.shape
+        i = down_weight.shape[1]
+        index = dy.device.index or 0
+        # a constant NUM_PROGRAMS per device compiles once whatever the tile count
+        programs = config.programs_per_sm * (num_sms(index) if dy.is_cuda else 4)
+        kernel = kernels.get(programs)
+        if kernel is None:
+            kernel = kernels[programs] = FastLaunch(_gated_backward_tma_kernel, dict(fixed, NUM_PROGRAMS=programs))
+        kernel(programs, index, dy, down_weight, preact, dpreact, h, m, i, k,
+               dy.stride(0), down_weight.stride(0), preact.stride(0), dpreact.stride(0), h.stride(0))
 
-def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-           h: torch.Tensor, config: GatedGemmConfig, meta: dict) -> None:
-    """Run `config.programs_per_sm` persistent programs per SM on dY [M, K], Wd [K, I] and
-    P [M, 2*I], writing dP [M, 2*I] (may be P) and h [M, I]; the tensors passed `can_run`. The
-    device-built descriptors need Triton's scratch allocator set (`dispatch` sets it)."""
-    m, k = dy.shape
-    i = down_weight.shape[1]
-    programs = config.programs_per_sm * (num_sms(dy.device.index or 0) if dy.is_cuda else 4)
-    _gated_backward_tma_kernel[(programs,)](
-        dy, down_weight, preact, dpreact, h, m, i, k,
-        dy.stride(0), down_weight.stride(0), preact.stride(0), dpreact.stride(0), h.stride(0),
-        NUM_PROGRAMS=programs, **meta,
-    )
+    return launch

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .configs import GatedGemmConfig
 from .jit_common import gated_epilogue, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -105,40 +106,33 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: to
     return True
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
-              store_preact: bool = False) -> dict:
-    """The kernel's constexprs and launch keywords for one (config, epilogue, bias, dtype).
-
-    epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH; store_preact: STORE_PREACT.
-    """
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
+                  store_preact: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I], preact) -> out`
+    for one (config, epilogue, bias, dtype, store_preact); epilogue: `GatedEpilogue.constexprs()` plus
+    APPROX_TANH. With store_preact it also writes preact [M, 2*I] (x's dtype, any strides), which
+    must be given; without, preact is None. Arguments are checked by the caller (`dispatch`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    return dict(
+    kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
         HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    ))
+    bm, bn = config.block_m, config.block_n
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               preact: torch.Tensor | None = None) -> torch.Tensor:
+        m, k = x.shape
+        i = weight.shape[0] >> 1
+        p = out if preact is None else preact  # not read unless STORE_PREACT
+        if store_preact and preact is None:
+            raise ValueError("gated_gemm_pointer: a STORE_PREACT launcher needs preact")
+        kernel(triton.cdiv(m, bm) * triton.cdiv(i, bn), x.device.index or 0,
+               x, weight, weight if bias is None else bias, out, p, m, i, k,
+               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+               p.stride(0), p.stride(1))
+        return out
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict, preact: torch.Tensor | None = None) -> torch.Tensor:
-    """Run the kernel on x [M, K], weight [2*I, K], bias [2*I] (contiguous) or None, into out [M, I]
-    and, where meta's STORE_PREACT is set, preact [M, 2*I] (x's dtype, any strides).
-
-    meta: `make_meta(config, ...)`. Arguments are checked by the caller (`dispatch`).
-    """
-    m, k = x.shape
-    i = weight.shape[0] // 2
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n),)
-    p = preact if preact is not None else out  # unread unless STORE_PREACT
-    _gated_gemm_fwd_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, p,
-        m, i, k,
-        x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1),
-        out.stride(0), out.stride(1),
-        p.stride(0), p.stride(1),
-        **meta,
-    )
-    return out
+    return launch

@@ -21,9 +21,11 @@ rounding), organised for large M:
   [2 * BLOCK_SIZE_N / S, BLOCK_SIZE_K]: still whole 16-row gate/up blocks.
 
 With STORE_PREACT (training's store mode) the epilogue also stores the tile's pre-activation,
-bias added, rounded once to x's dtype, as one [BLOCK_SIZE_M, 2*BLOCK_SIZE_N] TMA box of P
-[M, 2*I]: the accumulator's columns are interleaved as the packed rows are, so P comes out in
-the layout the backward reads. Off, the branch and the P descriptor are compiled out.
+bias added, rounded once to x's dtype, into P [M, 2*I]: the accumulator's columns are
+interleaved as the packed rows are, so P comes out in the layout the backward reads. It goes
+out as two [BLOCK_SIZE_M, BLOCK_SIZE_N] TMA boxes, which reuse the output's staging shared
+memory (one [BM, 2*BN] box would not fit beside a 4-stage 128x(2*128)x64 pipeline). Off, the
+branch and the P descriptor are compiled out.
 
 TMA zero-fills out-of-bounds reads and clips out-of-bounds writes, so any M and K work; it
 needs 16-bit dtypes, I % 16 == 0 (whole blocks; every real model), unit inner strides and
@@ -40,6 +42,7 @@ from triton.runtime import _allocation
 from .configs import GatedGemmConfig
 from .device import num_sms, tma_aligned, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 # A split tail's tiles keep at least this many output columns (a 2 * 32-row weight box).
@@ -61,18 +64,18 @@ def _k_loop(x_desc, w_desc, offs_m, offs_w, k_tiles,
 
 @triton.jit
 def _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
+                ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
                 GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
                 GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
     """Bias, split gate/up in registers, the gated epilogue in fp32, one rounding, one TMA store
-    (two with STORE_PREACT: the interleaved pre-activation first)."""
+    (with STORE_PREACT first the pre-activation, as two [BM, BN] boxes: columns as the packed rows)."""
     if HAS_BIAS:
         offs_b = offs_w + tl.arange(0, 2 * BLOCK_SIZE_N)
         acc += tl.load(b_ptr + offs_b, mask=offs_b < 2 * I, other=0.0).to(tl.float32)[None, :]
-    if STORE_PREACT:  # two [BLOCK_SIZE_M, BLOCK_SIZE_N] boxes: half the staging shared memory of one
-        halves = tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1))
-        p_lo, p_hi = tl.split(halves)
-        p_desc.store([offs_m, offs_w], p_lo.to(p_desc.dtype))
+    if STORE_PREACT:
+        p_lo, p_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+        p_desc.store([offs_m, offs_w], p_lo.to(p_desc.dtype))  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
         p_desc.store([offs_m, offs_w + BLOCK_SIZE_N], p_hi.to(p_desc.dtype))
     acc = tl.reshape(acc, (BLOCK_SIZE_M, 2 * BLOCK_SIZE_N // (2 * GATE_UP_BLOCK), 2, GATE_UP_BLOCK))
     acc = tl.permute(acc, (0, 1, 3, 2))
@@ -173,30 +176,35 @@ def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[
     return tiles, 1
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
-              store_preact: bool = False) -> dict:
-    """The kernel's constexprs and launch keywords, NUM_PROGRAMS and TAIL_SPLIT aside (per call)."""
-    return dict(
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
+                  store_preact: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I], preact) -> out` running
+    `config.programs_per_sm` persistent programs per SM; the tensors passed `can_run`. With
+    store_preact it also writes preact [M, 2*I] (must be given); without, preact is None."""
+    fixed = dict(
         HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    kernels: dict[tuple[int, int], FastLaunch] = {}  # (programs, tail split) -> launcher
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               preact: torch.Tensor | None = None) -> torch.Tensor:
+        if store_preact and preact is None:
+            raise ValueError("gated_gemm_tma: a STORE_PREACT launcher needs preact")
+        p = out if preact is None else preact  # not read unless STORE_PREACT
+        m, k = x.shape
+        i = weight.shape[0] >> 1
+        index = x.device.index or 0
+        # a constant NUM_PROGRAMS per device compiles once whatever the tile count
+        programs = config.programs_per_sm * (num_sms(index) if x.is_cuda else 4)
+        dp_tiles, split = tail_split(m, i, config, programs)
+        kernel = kernels.get((programs, split))
+        if kernel is None:
+            kernel = kernels[programs, split] = FastLaunch(
+                _gated_gemm_tma_kernel, dict(fixed, NUM_PROGRAMS=programs, TAIL_SPLIT=split))
+        ensure_allocator()
+        kernel(programs, index, x, weight, out, weight if bias is None else bias, p, m, i, k, dp_tiles,
+               x.stride(0), weight.stride(0), out.stride(0), p.stride(0))
+        return out
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict, preact: torch.Tensor | None = None) -> torch.Tensor:
-    """Run `config.programs_per_sm` persistent programs per SM on x [M, K], weight [2*I, K],
-    bias [2*I] or None, into out [M, I] and, with meta's STORE_PREACT, preact [M, 2*I]; the
-    tensors passed `can_run`."""
-    m, k = x.shape
-    i = weight.shape[0] // 2
-    # a constant NUM_PROGRAMS per device compiles once whatever the tile count
-    programs = config.programs_per_sm * (num_sms(x.device.index or 0) if x.is_cuda else 4)
-    dp_tiles, split = tail_split(m, i, config, programs)
-    ensure_allocator()
-    p = preact if preact is not None else out  # unread unless STORE_PREACT
-    _gated_gemm_tma_kernel[(programs,)](
-        x, weight, out, bias if bias is not None else weight, p, m, i, k, dp_tiles,
-        x.stride(0), weight.stride(0), out.stride(0), p.stride(0),
-        NUM_PROGRAMS=programs, TAIL_SPLIT=split, **meta,
-    )
-    return out
+    return launch

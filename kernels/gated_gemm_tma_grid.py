@@ -86,32 +86,31 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     return tma_operands_ok(x, weight, out)
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords for one (config, epilogue, bias, dtype)."""
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I]) -> out`: one program per
+    [block_m, block_n] output tile; the tensors passed `can_run`. Builds only the weight
+    descriptor the kernel reads (each costs host time); Triton's own launch path (descriptors)."""
     if config.weight_boxes not in (1, 2):
         raise ValueError(f"gated_gemm_tma_grid: weight_boxes must be 1 or 2, got {config.weight_boxes}")
-    return dict(
+    meta = dict(
         HAS_BIAS=has_bias, **epilogue, TWO_DOTS=config.weight_boxes == 2, GATE_UP_BLOCK=GATE_UP_BLOCK,
         **config.meta(), num_warps=config.num_warps, num_stages=config.num_stages,
     )
-
-
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict) -> torch.Tensor:
-    """One program per [block_m, block_n] output tile of out [M, I], from x [M, K], weight
-    [2*I, K] and bias [2*I] or None; the tensors passed `can_run`. Builds only the weight
-    descriptor the kernel reads (each costs host time)."""
-    m, k = x.shape
-    i = weight.shape[0] // 2
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    grid = (triton.cdiv(m, bm) * triton.cdiv(i, bn),)
-    if config.weight_boxes == 2:  # the packed weight viewed as [I/16, 32, K]: gate rows at [b, :16], up at [b, 16:]
-        row = weight.stride(0)
-        w3 = weight.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
-        w_desc = TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk])
-    else:
-        w_desc = TensorDescriptor.from_tensor(weight, [2 * bn, bk])
-    _gated_gemm_tma_grid_kernel[grid](
-        TensorDescriptor.from_tensor(x, [bm, bk]), w_desc, w_desc, TensorDescriptor.from_tensor(out, [bm, bn]),
-        bias if bias is not None else weight, m, i, k, **meta)
-    return out
+
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        i = weight.shape[0] // 2
+        grid = (triton.cdiv(m, bm) * triton.cdiv(i, bn),)
+        if config.weight_boxes == 2:  # the packed weight as [I/16, 32, K]: gate rows at [b, :16], up at [b, 16:]
+            row = weight.stride(0)
+            w3 = weight.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))
+            w_desc = TensorDescriptor.from_tensor(w3, [bn // GATE_UP_BLOCK, GATE_UP_BLOCK, bk])
+        else:
+            w_desc = TensorDescriptor.from_tensor(weight, [2 * bn, bk])
+        _gated_gemm_tma_grid_kernel[grid](
+            TensorDescriptor.from_tensor(x, [bm, bk]), w_desc, w_desc, TensorDescriptor.from_tensor(out, [bm, bn]),
+            bias if bias is not None else weight, m, i, k, **meta)
+        return out
+
+    return launch

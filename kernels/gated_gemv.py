@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .configs import GatedGemmConfig
 from .jit_common import gated_epilogue
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 
@@ -74,26 +75,24 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
     return x.shape[0] == 1 and (weight.shape[0] // 2) % GATE_UP_BLOCK == 0
 
 
-def make_meta(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype) -> dict:
-    """The kernel's constexprs and launch keywords. config: block_n output columns per program (a
-    multiple of 16: block_n // 16 gate/up blocks), block_k inputs per step, num_warps; block_m,
-    group_m and num_stages are not used."""
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
+    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I]) -> out`.
+
+    config: block_n output columns per program (a multiple of 16: block_n // 16 gate/up
+    blocks), block_k inputs per step, num_warps; block_m, group_m and num_stages are not used.
+    """
     if config.block_n % GATE_UP_BLOCK:
         raise ValueError(f"gated_gemv: block_n {config.block_n} is not a multiple of {GATE_UP_BLOCK}")
-    return dict(
+    kernel = FastLaunch(_gated_gemv_kernel, dict(
         HAS_BIAS=has_bias, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, BLOCKS=config.block_n // GATE_UP_BLOCK,
         BLOCK_SIZE_K=config.block_k, num_warps=config.num_warps, num_stages=1,
-    )
+    ))
+    bn = config.block_n
 
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        i = weight.shape[0] >> 1
+        kernel(triton.cdiv(i, bn), x.device.index or 0, x, weight, weight if bias is None else bias, out,
+               i, x.shape[1], x.stride(1), weight.stride(0), weight.stride(1), out.stride(1))
+        return out
 
-def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-           config: GatedGemmConfig, meta: dict) -> torch.Tensor:
-    """Run the GEMV on x [1, K], weight [2*I, K], bias [2*I] (contiguous) or None, into out [1, I]."""
-    i = weight.shape[0] // 2
-    _gated_gemv_kernel[(triton.cdiv(i, config.block_n),)](
-        x, weight, bias if bias is not None else weight, out,
-        i, x.shape[1],
-        x.stride(1), weight.stride(0), weight.stride(1), out.stride(1),
-        **meta,
-    )
-    return out
+    return launch

@@ -8,8 +8,8 @@ and whose kernel can run its tensors (dtype, alignment, whole gate/up blocks); t
 match every call, so there is always one. fp32 calls halve the chosen block_k (shared memory).
 
 `sweep` names the measurements that chose the rule, relative to benchmarks/results/; the
-per-rule numbers are in docs/performance.md. `python -m swiglu_patch.kernels.dispatch --help`
-(or `swiglu-patch explain`) says which rule a call takes and why the earlier ones did not.
+per-rule numbers are in docs/performance.md. `swiglu-patch explain --m 16 --k 4096 --i 14336`
+says which rule a call takes and why the earlier ones did not.
 
 Why the groups exist:
 - captured calls (CUDA graphs) may take the grid kernel, whose host-built TMA descriptors

@@ -84,6 +84,8 @@ class FusedGatedMLP(nn.Module):
             destination[prefix + key] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own does (tensor_parallel's uses it)
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         f = self.family
         names = [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]
         for suffix, param in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import tensor_parallel
 from .functional import BACKENDS
 from .kernels.epilogue import ACTIVATIONS
 from .module import FusedGatedMLP
@@ -94,6 +95,7 @@ def _check_linears(module: nn.Module, family: MLPFamily) -> None:
     """Raise ValueError naming why the projections are not plain float nn.Linear on a real device."""
     names = [family.gate_up_chunked] if family.gate_up_chunked else [family.gate, family.up]
     linears = [getattr(module, n) for n in names + [family.down]]
+    sharded = tensor_parallel.check_sharding(module, family)  # raises for a tensor-parallel layout it cannot run
     for name, lin in zip(names + [family.down], linears):
         if type(lin) is not nn.Linear:
             raise ValueError(
@@ -107,10 +109,11 @@ def _check_linears(module: nn.Module, family: MLPFamily) -> None:
                 "devices (no disk/CPU offload) before patching"
             )
         w = lin.weight
-        if type(w.data) is not torch.Tensor or w.dtype not in _FLOAT_DTYPES:
+        if (type(w.data) is not torch.Tensor and not sharded) or w.dtype not in _FLOAT_DTYPES:
             raise ValueError(
                 f"{name}.weight is {type(w.data).__name__} of dtype {w.dtype}; the fused kernel needs a plain "
-                "bfloat16/float16/float32 tensor (quantized, fp8 and DTensor weights are not supported yet)"
+                "(or tensor-parallel DTensor) bfloat16/float16/float32 tensor (quantized and fp8 weights are not "
+                "supported yet)"
             )
     gate_up = linears[:-1]
     if len({(lin.weight.dtype, lin.weight.device) for lin in gate_up}) != 1:
@@ -178,7 +181,9 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
             report.skipped.append((name, str(e)))
 
     for name, module, family, by_structure, activation in plan:
+        shards = tensor_parallel.localize(module, family)  # None unless tensor-parallel
         fused = FusedGatedMLP(module, family, activation, backend)
+        tensor_parallel.attach(fused, shards)
         hook = getattr(module, "_hf_hook", None)
         if hook is not None:  # accelerate's device-alignment hook travels with the module
             from accelerate.hooks import add_hook_to_module
@@ -205,7 +210,9 @@ def unpatch(model: nn.Module) -> int:
     fused = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedGatedMLP)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, module.restore())
+        original = module.restore()
+        tensor_parallel.restore_sharding(module, original)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, original)
     return len(fused)
 
 

@@ -17,7 +17,7 @@ from swiglu_patch.kernels.rules import RULES
 
 TMA_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
 # Interpreter tiles are small (many tiles, several K steps); the GPU runs the rules' tiles.
-SMALL = {"pointer": C(16, 16, 16, group_m=2), "gemv": C(1, 32, 32), "tma": C(16, 16, 16, group_m=2),
+SMALL = {"pointer": C(16, 16, 16, group_m=2), "gemv": C(1, 32, 32), "tma": C(32, 32, 32, group_m=2),
          "grid": C(16, 32, 32, group_m=2)}
 EPILOGUES = [
     "silu", "gelu_tanh", "gelu",
@@ -46,8 +46,9 @@ POINTER_SHAPES = [(1, 64, 48), (7, 50, 37), (199, 130, 100)] + ([(4096, 256, 200
 @pytest.mark.parametrize("bias", [False, True])
 def test_pointer_kernel_matches_float64(m, k, i, dtype, act, bias):
     x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
-    check(_run("pointer", x, gate, up, bg, bu, act, config=C(16, 16, 16, group_m=2) if not CUDA else None),
-          x, gate, up, bg, bu, act)
+    out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)  # the rule's tile for this M
+    gated_gemm(x, packed_of(gate, up), act, packed_of(bg, bu), out=out, kernel="pointer")
+    check(out, x, gate, up, bg, bu, act)
 
 
 @pytest.mark.parametrize("config", [C(16, 16, 16, group_m=2), C(32, 32, 32, group_m=1)])
@@ -262,3 +263,25 @@ def test_tma_kernels_on_strided_rows(kernel):
     gated_gemm(x, packed, "silu", out=out, config=None if CUDA else SMALL[kernel], kernel=kernel)
     check(out, x, gate.contiguous(), up.contiguous(), None, None, "silu")
     assert out_wide[:, i:].isnan().all(), "wrote past the output's columns"
+
+
+@pytest.mark.parametrize("kernel,m,k,i", [("pointer", 7, 50, 37), ("gemv", 1, 72, 48), ("tma", 300, 72, 64)])
+def test_repeated_calls_through_the_fast_launch(kernel, m, k, i):
+    """Later calls skip Triton's binding (`launcher.FastLaunch`): each must still write every
+    element right, also when a call's pointers lose the 16-byte alignment the first call had
+    (a new specialization), and when the output has other strides."""
+    from swiglu_patch.kernels.dispatch import _MODULES
+
+    dtype = TMA_DTYPES[-1] if kernel == "tma" else KERNEL_DTYPES[-1]
+    x, gate, up, bg, bu = make_case(m + 1, k + 8, i, dtype, bias=True)
+    packed, bias = packed_of(gate, up), packed_of(bg, bu)
+    launch = _MODULES[kernel].make_launcher(
+        SMALL[kernel] if not CUDA else C(64, 64, 64, num_warps=4, num_stages=3) if kernel != "gemv" else C(1, 32, 64),
+        dict(GatedEpilogue("silu").constexprs(), APPROX_TANH=False), True, dtype)
+    cases = [(x[:m, :k], packed[:, :k]), (x[:m, :k], packed[:, :k])]
+    if kernel != "tma":  # TMA needs 16-byte alignment: the others take an x that starts one element in
+        cases.append((x[1:m + 1, 1:k + 1], packed[:, :k]))
+    for xs, ws in cases:
+        out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
+        launch(xs, ws, bias, out)
+        check(out, xs, gate[:, :k], up[:, :k], bg, bu, "silu")
