@@ -10,15 +10,19 @@ printed as it runs; a section or way that fails is recorded with its error and t
 1. correctness: y, dx, dW_gate_up (packed), db_gate_up, dW_down, db_down of both modes against
    float64 autograd on the unpacked weights, next to HF-eager-style PyTorch's error in the same
    dtype; PASS when ours <= 2 x eager's + eps (the issue's "within 2x of HF eager's own error").
-2. parts: each kernel and GEMM of our forward and backward alone, against the cuBLAS GEMM of
-   the same shape (what the fused epilogues cost).
-3. tiles: alternative configs of the backward kernel and of the forward with STORE_PREACT,
-   each checked against the rule's output, timed; the fastest is reported and run in 4.
-4. table: fwd+bwd ms (median of CUDA-event timings, the ways interleaved in rounds, grads set
+2. table: fwd+bwd ms (median of CUDA-event timings, the ways interleaved in rounds, grads set
    to None before every step as a Trainer's zero_grad does), saved MiB (memory allocated after
    the forward, less the output, above what was allocated before: inputs and weights
    excluded), peak MiB (max allocated during forward + backward above the same base: the
    weight gradients count), ratios to HF eager, and the issue's targets per row.
+3. parts: each kernel and GEMM of our forward and backward alone, against the cuBLAS GEMM of
+   the same shape (what the fused epilogues cost).
+4. tiles: alternative configs of the backward kernel and of the forward with STORE_PREACT,
+   each checked against the rule's output and timed; then ours_store's fwd + bwd with the
+   rules' tiles and with the fastest ones.
+5. the registers, spills and shared memory of every training-kernel variant compiled.
+
+Sections 3 and 4 are skipped past --budget-s (the order puts what the issue asks first).
 
 Writes OUT/train.json (after every section) and OUT/train.md.
 """
@@ -424,7 +428,7 @@ def _step(module, x, dy):
     return step
 
 
-def table_row(row: Row, device, timer: Timer, best: dict, liger_mlp: bool) -> dict:
+def table_row(row: Row, device, timer: Timer, liger_mlp: bool) -> dict:
     """Every way's fwd + bwd time, saved and peak memory on one row, and the issue's targets."""
     import torch
 
@@ -451,14 +455,6 @@ def table_row(row: Row, device, timer: Timer, best: dict, liger_mlp: bool) -> di
             traceback.print_exc()
     for name, t in timer.many(steps).items():
         results[name]["ms"] = t * 1e3
-    if best.get("backward") or best.get("forward_preact"):  # the sweep's fastest tiles, timed on their own
-        name = "ours_store (sweep's best tiles)"
-        try:
-            with forced_tiles(best.get("backward"), best.get("forward_preact")):
-                t = timer.many({name: steps["ours_store"]})[name]
-            results[name] = {"ms": t * 1e3, "tiles": {k: (v[0], dataclasses.asdict(v[1])) for k, v in best.items() if v}}
-        except Exception as e:  # noqa: BLE001
-            results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     eager_ms = results["hf_eager"].get("ms")
     for r in results.values():
         if "ms" in r and eager_ms:
@@ -466,6 +462,27 @@ def table_row(row: Row, device, timer: Timer, best: dict, liger_mlp: bool) -> di
     del ways, steps
     _free(device)
     return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results)}
+
+
+def best_tiles_step(row: Row, device, timer: Timer, best: dict) -> dict:
+    """ours_store's fwd + bwd with the rules' tiles, then with the sweep's fastest (forced first in
+    the rule tables), on one row's shape: what shipping the sweep's choice would give."""
+    import torch
+
+    dtype = getattr(torch, row.dtype)
+    eager, _ = eager_module(row, device, dtype)
+    module = ours_module(eager, row.act, "store")
+    del eager
+    x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(row.m, row.k, device=device, dtype=dtype)
+    step = _step(module, x, dy)
+    out = {"rules_ms": timer.many({"rules": step})["rules"] * 1e3,
+           "tiles": {k: [v[0], dataclasses.asdict(v[1])] for k, v in best.items() if v}}
+    with forced_tiles(best.get("backward"), best.get("forward_preact")):
+        out["best_ms"] = timer.many({"best": step})["best"] * 1e3
+    del module, step
+    _free(device)
+    return out
 
 
 def targets(row: Row, ways: dict) -> dict:
@@ -520,6 +537,10 @@ def render(results: dict) -> str:
             for n, v in t.get(group, {}).items():
                 lines.append(f"| {group} | {n} | {_fmt(v.get('ms'), '.3f') or v.get('error')} |")
             lines.append(f"| {group} | best: {t.get(group + '_best')} | |")
+        fb = t.get("ours_store_fwd_bwd")
+        if fb:
+            lines.append(f"| ours_store fwd+bwd | rules' tiles / the sweep's best | {fb['rules_ms']:.3f} / "
+                         f"{fb['best_ms']:.3f} |")
     for r in results.get("table", []):
         row = Row(**r["row"])
         lines += ["", f"## {row.label()} ({row.act}, K={row.k}, I={row.i}): forward + backward", "",
@@ -576,7 +597,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU through Triton's interpreter")
     p.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     p.add_argument("--budget-s", type=float, default=420.0,
-                   help="after this many seconds optional work is skipped: the 8192 tile sweep, LigerMLP")
+                   help="past this many seconds the parts and tiles are skipped (LigerMLP past half of it)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per way per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-liger-mlp", action="store_true", help="skip LigerMLP (it autotunes 2 x 32 configs per M)")
@@ -619,40 +640,14 @@ def main(argv=None) -> int:
         results["correctness"].append(r)
         _free(device)
         save()
-    print(f"2. parts {elapsed()}", flush=True)
+    print(f"2. forward + backward {elapsed()}", flush=True)
     for row in rows:
+        # LigerMLP autotunes 2 x 32 configs per dtype: bf16 rows only, early in the budget only
+        liger_mlp = not args.no_liger_mlp and row.dtype == "bfloat16" and time.time() - start < args.budget_s / 2
+        if cuda and not liger_mlp:
+            print("  LigerMLP skipped (--no-liger-mlp, not bf16, or past half the budget)", flush=True)
         try:
-            results["parts"][row.label()] = parts(row, device, timer)
-            for n, v in results["parts"][row.label()].items():
-                print(f"  {row.label():28s} {n:45s} {v['ms']:8.3f} ms {v['tflops']:6.0f} TFLOP/s", flush=True)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            results["parts"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        _free(device)
-        save()
-    print(f"3. tiles {elapsed()}", flush=True)
-    best = {}
-    for n, row in enumerate(r for r in rows if r.shape == rows[0].shape and r.dtype == rows[0].dtype):
-        if n and time.time() - start > args.budget_s / 2:
-            print(f"  skipped {row.label()}: past half the budget", flush=True)
-            continue
-        try:
-            t = results["tiles"][row.label()] = tiles(row, device, timer, not cuda)
-            bwd, fwd = _configs(not cuda)
-            best[row.label()] = {
-                "backward": next(((k, c) for name, k, c in bwd if name == t["backward_best"]), None),
-                "forward_preact": next(((k, c) for name, k, c in fwd if name == t["forward_preact_best"]), None)}
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            results["tiles"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        _free(device)
-        save()
-    print(f"4. forward + backward {elapsed()}", flush=True)
-    for row in rows:
-        # LigerMLP autotunes per dtype: bf16 rows only, and only while the budget allows
-        liger_mlp = not args.no_liger_mlp and row.dtype == "bfloat16" and time.time() - start < args.budget_s * 0.6
-        try:
-            r = table_row(row, device, timer, best.get(row.label(), {}), liger_mlp)
+            r = table_row(row, device, timer, liger_mlp)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r = {"row": dataclasses.asdict(row), "ways": {"all": {"error": f"{type(e).__name__}: {str(e)[:300]}"}},
@@ -664,6 +659,38 @@ def main(argv=None) -> int:
                   f"  peak {_fmt(v.get('peak_mib'), '.0f')} MiB"), flush=True)
         for t, ok in r["targets"].items():
             print(f"    {'MET' if ok else ('MISSED' if ok is False else 'n/a')}: {t}", flush=True)
+        _free(device)
+        save()
+    print(f"3. parts {elapsed()}", flush=True)
+    for row in rows:
+        if time.time() - start > args.budget_s:
+            print(f"  skipped {row.label()}: past the budget", flush=True)
+            continue
+        try:
+            results["parts"][row.label()] = parts(row, device, timer)
+            for n, v in results["parts"][row.label()].items():
+                print(f"  {row.label():28s} {n:45s} {v['ms']:8.3f} ms {v['tflops']:6.0f} TFLOP/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            results["parts"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        _free(device)
+        save()
+    print(f"4. tiles {elapsed()}", flush=True)
+    for row in (r for r in rows if r.shape == rows[0].shape and r.dtype == rows[0].dtype):
+        if time.time() - start > args.budget_s:
+            print(f"  skipped {row.label()}: past the budget", flush=True)
+            continue
+        try:
+            t = results["tiles"][row.label()] = tiles(row, device, timer, not cuda)
+            bwd, fwd = _configs(not cuda)
+            best = {"backward": next(((k, c) for name, k, c in bwd if name == t["backward_best"]), None),
+                    "forward_preact": next(((k, c) for name, k, c in fwd if name == t["forward_preact_best"]), None)}
+            t["ours_store_fwd_bwd"] = best_tiles_step(row, device, timer, best)
+            print(f"  ours_store fwd+bwd: rules' tiles {t['ours_store_fwd_bwd']['rules_ms']:.3f} ms, the sweep's "
+                  f"best {t['ours_store_fwd_bwd']['best_ms']:.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            results["tiles"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         _free(device)
         save()
     print(f"5. compiled kernels (registers, spills, shared bytes) {elapsed()}", flush=True)
