@@ -90,7 +90,7 @@ def _configs(dry: bool) -> tuple[list, list]:
                ("backward_tma", C(128, 64, 64, **t | {"num_warps": 4})), ("backward_tma", C(128, 64, 64, **t)),
                ("backward_tma", C(64, 128, 64, **t | {"num_warps": 4, "num_stages": 2, "programs_per_sm": 2})),
                ("backward_tma", C(64, 64, 64, **t | {"num_warps": 4, "programs_per_sm": 2})),
-               ("backward_pointer", C(128, 64, 64, num_warps=8, num_stages=3))]
+               ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3))]
         fwd = [("tma", C(128, 128, 64, **t, split_tail=True)), ("tma", C(128, 128, 64, **t | {"num_stages": 3},
                                                                          split_tail=True)),
                ("tma", C(128, 128, 64, **t | {"num_stages": 3}, warp_specialize=True, split_tail=True)),
