@@ -80,10 +80,13 @@ def build_model(dims: ModelDims, layers: int, device: torch.device | str, dtype:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    extra = dict(dims.config)
+    if vocab is not None:  # special token ids must stay inside the smaller vocabulary
+        extra.update({k: min(v, vocab - 1) for k, v in extra.items() if k.endswith("token_id") and v is not None})
     config = AutoConfig.for_model(
         dims.model_type, hidden_size=dims.hidden, intermediate_size=dims.intermediate,
         num_attention_heads=dims.heads, num_key_value_heads=dims.kv_heads, vocab_size=vocab or dims.vocab,
-        num_hidden_layers=layers, max_position_embeddings=16384, **dims.config)
+        num_hidden_layers=layers, max_position_embeddings=16384, **extra)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):

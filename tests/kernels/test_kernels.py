@@ -285,3 +285,14 @@ def test_repeated_calls_through_the_fast_launch(kernel, m, k, i):
         out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
         launch(xs, ws, bias, out)
         check(out, xs, gate[:, :k], up[:, :k], bg, bu, "silu")
+
+
+def test_fast_launch_specialization_keys():
+    """The key tells apart what Triton specializes on: alignment, 1, multiples of 16, int32 range."""
+    from swiglu_patch.kernels.launcher import _spec
+
+    t = torch.zeros(64, dtype=torch.float16)
+    assert _spec((t,)) != _spec((t[1:],))  # 2-byte offset: not 16-byte aligned
+    assert _spec((t,)) != _spec((t.float(),))
+    assert len({_spec((v,)) for v in (1, 2, 16, 17, 2**31, -(2**31) - 1)}) == 5  # 2 and 17 alike
+    assert _spec((2,)) == _spec((17,)) and _spec((32,)) == _spec((16,))
