@@ -449,7 +449,7 @@ def gated_backward(
     fn = "gated_backward"
     check_backward_operands(fn, dy, down_weight, preact)
     epilogue = GatedEpilogue.of(epilogue)
-    m, (k, i) = dy.shape[0], down_weight.shape
+    m, i = dy.shape[0], down_weight.shape[1]
     if dpreact_out is None:
         dpreact_out = torch.empty_like(preact, memory_format=torch.contiguous_format)
     _check_out(fn, "dpreact_out", dpreact_out, (m, 2 * i), dy)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig
+from .configs import GatedGemmConfig, ceil_div
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -116,7 +116,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
                h: torch.Tensor) -> None:
         m, k = dy.shape
         i = down_weight.shape[1]
-        kernel(triton.cdiv(m, bm) * triton.cdiv(i, bn), dy.device.index or 0,
+        kernel(ceil_div(m, bm) * ceil_div(i, bn), dy.device.index or 0,
                dy, down_weight, preact, dpreact, h, m, i, k,
                dy.stride(0), dy.stride(1), down_weight.stride(0), down_weight.stride(1),
                preact.stride(0), preact.stride(1), dpreact.stride(0), dpreact.stride(1), h.stride(0), h.stride(1))

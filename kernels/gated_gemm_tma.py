@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import GatedGemmConfig
+from .configs import GatedGemmConfig, ceil_div
 from .device import num_sms, tma_aligned, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
@@ -167,7 +167,7 @@ def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[
     """(whole tiles, S): the T tiles of a last partial wave run as S narrower tiles each, for the
     largest S in (4, 2) with S * T <= programs and block_n / S >= SPLIT_TAIL_MIN_N, where
     `config.split_tail` asks for it; S = 1 runs every tile whole."""
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n)
+    tiles = ceil_div(m, config.block_m) * ceil_div(i, config.block_n)
     tail = tiles % programs
     if config.split_tail and tail:
         for s in (4, 2):

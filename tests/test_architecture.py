@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"swiglu_patch": ROOT / "swiglu_patch", "swiglu_patch.kernels": ROOT / "kernels",
             "swiglu_patch.evals": ROOT / "evals"}
 LEAVES = {"layout", "epilogue", "reference", "configs", "device", "jit_common", "launcher"}
-KERNEL_FILES = {"gated_gemm_pointer", "gated_gemm_tma", "gated_gemm_tma_grid", "gated_gemv"}
+KERNEL_FILES = {"gated_gemm_pointer", "gated_gemm_tma", "gated_gemm_tma_grid", "gated_gemv", "gated_backward_pointer",
+                "gated_backward_tma"}
 
 
 def _modules() -> dict[str, Path]:

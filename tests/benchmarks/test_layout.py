@@ -9,7 +9,7 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 REPO = BENCH.parent
-TOP_LEVEL = {"bench_mlp", "bench_e2e", "bench_host", "tune", "summarize", "accuracy_gemma3"}
+TOP_LEVEL = {"bench_mlp", "bench_e2e", "bench_host", "tune", "summarize", "accuracy_gemma3", "bench_train"}
 
 
 def _imports(path: Path) -> set[str]:
