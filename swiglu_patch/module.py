@@ -8,6 +8,10 @@ Its state dict speaks the original checkpoint's language: `state_dict()` writes
 ``gate_proj.weight`` / ``up_proj.weight`` (or Phi-3's chunked ``gate_up_proj.weight``)
 unpacked, and `load_state_dict` reads those keys and packs them, so `save_pretrained`
 gives a plain transformers checkpoint and an original checkpoint loads into a patched model.
+
+Under the names of the projections it packed (``gate_proj``, ``up_proj``) it holds
+`PackedAway` markers: modules with no weights whose only job is to answer a tool that looks
+them up by name (PEFT's ``target_modules``) with an error that says what happened to them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class FusedGatedMLP(nn.Module):
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
         self.family = family
+        for name in family.packed:
+            self.add_module(name, PackedAway(name, family))
         _release_gate_up(original, family)
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
@@ -105,7 +111,7 @@ class FusedGatedMLP(nn.Module):
             with torch.no_grad():
                 param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
         if strict:
-            known = set(names) | set(self._modules)
+            known = set(self._modules)
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in known:
                     unexpected_keys.append(key)
@@ -126,6 +132,32 @@ class FusedGatedMLP(nn.Module):
         return original
 
 
+class PackedAway(nn.Module):
+    """Stands where a packed projection was (``gate_proj``, ``up_proj``): no weights, no forward.
+
+    A tool that finds modules by name (PEFT's LoRA ``target_modules``) reaches this marker
+    instead of silently skipping the projection, and its error shows this module's repr,
+    which says what happened and what to do.
+    """
+
+    def __init__(self, name: str, family: MLPFamily):
+        super().__init__()
+        self.name, self.into = name, " and ".join(family.packed)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.name} is packed ({self.into}) into this FusedGatedMLP's gate_up_interleaved by swiglu-patch; it "
+            "has no weight of its own, so LoRA/PEFT cannot wrap it: call swiglu_patch.unpatch(model) before "
+            "get_peft_model, or target only down_proj"
+        )
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"PackedAway: {self.extra_repr()}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        pass  # the FusedGatedMLP above reads this projection's keys
+
+
 def _split_original(mlp: nn.Module, f: MLPFamily):
     """(gate_w [I, K], up_w [I, K], gate_b [I] | None, up_b [I] | None) of an original MLP."""
     if f.gate_up_chunked:
@@ -139,7 +171,7 @@ def _split_original(mlp: nn.Module, f: MLPFamily):
 
 def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> None:
     """Swap the original gate/up parameters for meta tensors of the same shape (frees them)."""
-    for name in [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]:
+    for name in f.packed:
         lin = getattr(mlp, name)
         for suffix in ("weight", "bias"):
             p = getattr(lin, suffix)
