@@ -1,8 +1,9 @@
 """`FusedGatedMLP`: the module that replaces a gated MLP once it is patched.
 
 It holds the packed ``gate_up_interleaved`` weight [2*I, K] (and bias [2*I] when the MLP
-had biases), the MLP's own ``down_proj`` module, and the original MLP module with its gate
-and up weights moved to the meta device (no memory), kept to be put back by `unpatch`.
+had biases), the MLP's own down projection under its original name (``down_proj``, LFM2's
+``w2``), and the original MLP module with its gate and up weights moved to the meta device
+(no memory), kept to be put back by `unpatch`.
 
 Its state dict speaks the original checkpoint's language: `state_dict()` writes
 ``gate_proj.weight`` / ``up_proj.weight`` (or Phi-3's chunked ``gate_up_proj.weight``)
@@ -47,7 +48,7 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_interleaved_bias = (
             nn.Parameter(packed_bias, requires_grad=requires_grad) if packed_bias is not None else None
         )
-        self.down_proj = getattr(original, family.down)
+        self.add_module(family.down, getattr(original, family.down))  # the checkpoint's name (LFM2: w2)
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
         self.family = family
@@ -59,7 +60,12 @@ class FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
                                      self.backend)
-        return self.down_proj(h)
+        return self.down(h)
+
+    @property
+    def down(self) -> nn.Module:
+        """The original down projection (registered under its own name, `family.down`)."""
+        return self._modules[self.family.down]
 
     def extra_repr(self) -> str:
         n, k = self.gate_up_interleaved.shape
@@ -128,7 +134,7 @@ class FusedGatedMLP(nn.Module):
             linear = getattr(original, name)
             requires_grad = self.gate_up_interleaved.requires_grad
             setattr(linear, suffix, nn.Parameter(tensor, requires_grad=requires_grad))
-        setattr(original, f.down, self.down_proj)
+        setattr(original, f.down, self.down)
         return original
 
 
@@ -142,13 +148,15 @@ class PackedAway(nn.Module):
 
     def __init__(self, name: str, family: MLPFamily):
         super().__init__()
-        self.name, self.into = name, " and ".join(family.packed)
+        others = [n for n in family.packed if n != name]
+        self.name, self.down = name, family.down
+        self.packed = f"{name} is packed" + (f" with {', '.join(others)}" if others else "")
 
     def extra_repr(self) -> str:
         return (
-            f"{self.name} is packed ({self.into}) into this FusedGatedMLP's gate_up_interleaved by swiglu-patch; it "
-            "has no weight of its own, so LoRA/PEFT cannot wrap it: call swiglu_patch.unpatch(model) before "
-            "get_peft_model, or target only down_proj"
+            f"{self.packed} into this FusedGatedMLP's gate_up_interleaved by swiglu-patch; it has no weight of "
+            "its own, so LoRA/PEFT cannot wrap it: call swiglu_patch.unpatch(model) before "
+            f"get_peft_model, or target only {self.down}"
         )
 
     def forward(self, *args, **kwargs):

@@ -32,6 +32,7 @@ that the class computes it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -64,7 +65,9 @@ def falcon_h1_multipliers(module: nn.Module, activation: str) -> GatedEpilogue:
 def _clamp(attr: str, where: str) -> Callable[[nn.Module, str], GatedEpilogue]:
     def settings(module: nn.Module, activation: str) -> GatedEpilogue:
         limit = getattr(module, attr)
-        return GatedEpilogue(activation, limit=None if limit is None else float(limit), clamp=where)
+        if limit is None or math.isinf(limit):  # Step-3.7 writes "no clamp" as inf
+            return GatedEpilogue(activation)
+        return GatedEpilogue(activation, limit=float(limit), clamp=where)
 
     settings.__name__ = f"clamp_{where}_{attr}"
     settings.__doc__ = f"SwiGLU clamp at the module's `{attr}` ({where} side)."
