@@ -174,6 +174,10 @@ STRUCTURES: tuple[MLPFamily, ...] = (
     MLPFamily("(structure)", "*", gate="w1", up="w3", down="w2"),
     MLPFamily("(structure)", "*", gate="wi_0", up="wi_1", down="wo"),
     MLPFamily("(structure)", "*", gate="proj_up_gate", up="proj_up", down="proj_down"),
+    MLPFamily("(structure)", "*", gate=None, up=None, gate_up_chunked="input_linear", down="output_linear"),
+    MLPFamily("(structure)", "*", gate=None, up=None, gate_up_chunked="Wi", down="Wo"),
+    MLPFamily("(structure)", "*", gate=None, up=None, gate_up_chunked="fc1", down="fc2"),
+    MLPFamily("(structure)", "*", gate=None, up=None, gate_up_chunked="linear_1", down="linear_2"),
 )
 ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")
 
@@ -214,12 +218,26 @@ def activation_of_module(act: nn.Module) -> str | None:
     return None
 
 
+def _gated_shapes(module: nn.Module, family: MLPFamily) -> bool:
+    """The projections' sizes fit a gated MLP: gate and up [I, K] (or chunked [2*I, K]), down
+    [K', I] (K' = K for an MLP; a projector maps to another width). Layers without
+    in/out_features (custom ones) are not ruled out here."""
+    sizes = [(getattr(m, "in_features", None), getattr(m, "out_features", None))
+             for m in (getattr(module, n) for n in family.projections)]
+    if any(None in s for s in sizes):
+        return True
+    i_down = sizes[-1][0]
+    width = 2 * i_down if family.gate_up_chunked else i_down
+    return all(out == width for _, out in sizes[:-1]) and len({k for k, _ in sizes[:-1]}) == 1
+
+
 def structure_of(module: nn.Module) -> MLPFamily | None:
-    """The structure record `module` matches: its projections are child modules and, unless the
-    structure names none, an activation module sits under one of `ACT_NAMES`; else None."""
+    """The structure record `module` matches: its projections are child modules of gated-MLP
+    sizes (a plain fc1/fc2 MLP does not match) and an activation module sits under one of
+    `ACT_NAMES` (the record's `act`, None when there is none); else None."""
     children = module._modules
     for s in STRUCTURES:
-        if all(isinstance(children.get(n), nn.Module) for n in s.projections):
+        if all(isinstance(children.get(n), nn.Module) for n in s.projections) and _gated_shapes(module, s):
             act = next((n for n in ACT_NAMES if isinstance(children.get(n), nn.Module)), None)
             return replace(s, act=act)
     return None

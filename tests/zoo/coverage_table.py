@@ -43,8 +43,7 @@ own forward fails before any patching.
 Summary: {summary}.
 
 | model type | result | patched (epilogue) | left as they are: why | notes |
-|---|---|---|---|---|
-"""
+|---|---|---|---|---|"""
 
 
 def _cell(items: list[str]) -> str:
