@@ -260,7 +260,7 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         raise ValueError(f"apply_fused_mlp: backend must be one of {BACKENDS}, got {backend!r}")
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     found, fused_names = find_gated(model)
-    report = PatchReport(model_type=model_type, already_patched=fused_names)
+    report = PatchReport(model_type=model_type, already_patched=fused_names, training=model.training)
     if not found and not fused_names:
         if strict:
             raise PatchError(
@@ -294,7 +294,7 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         if not g.known:
             report.by_structure.append(g.name)
         report.trainable |= fused.gate_up_interleaved.requires_grad
-    if report.trainable and model.training:  # from_pretrained returns eval mode: inference patches stay quiet
+    if report.trainable and report.training:  # from_pretrained returns eval mode: inference patches stay quiet
         warnings.warn(
             "apply_fused_mlp: the patched gate/up weights require grad. Build the optimizer after patching: the "
             "packed gate_up_interleaved parameters replace gate_proj/up_proj, so an optimizer built before holds "

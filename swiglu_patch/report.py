@@ -41,6 +41,9 @@ class PatchReport:
         already_patched: names of modules fused before this call.
         probes: how many numeric probes ran (one per class and setting).
         trainable: the patched weights require grad (an optimizer must be built after patching).
+        training: the model was in training mode; with `trainable`, the text and a warning say
+            so (from_pretrained returns eval mode with weights that require grad: inference
+            patches stay quiet).
     """
 
     model_type: str | None = None
@@ -51,6 +54,7 @@ class PatchReport:
     already_patched: list[str] = field(default_factory=list)
     probes: int = 0
     trainable: bool = False
+    training: bool = False
 
     @property
     def activations(self) -> dict[str, str]:
@@ -70,8 +74,8 @@ class PatchReport:
         if not self.has_gated_mlp:
             return f"apply_fused_mlp: model_type {self.model_type!r} has no gated MLP"
         kinds = sorted({e.describe() for e in self.epilogues.values()})
-        lines = [f"apply_fused_mlp: patched {len(self.patched)} gated MLP(s)" + (f" ({'; '.join(kinds)})" if kinds else "")
-                 + f", {len(self.not_patched)} left as they are"]
+        lines = [f"apply_fused_mlp: patched {len(self.patched)} MLP(s)" + (f" ({'; '.join(kinds)})" if kinds else "")
+                 + f", {len(self.not_patched)} gated module(s) left as they are"]
         if self.by_structure:
             lines.append(f"  {len(self.by_structure)} patched by structure (class not in the registry, shown equal by "
                          "the numeric probe): " + ", ".join(self.by_structure[:3]) + (" ..." if len(self.by_structure) > 3 else ""))
@@ -83,7 +87,7 @@ class PatchReport:
         for (cls, reason), names in groups.items():
             where = names[0] if len(names) == 1 else f"{len(names)} modules: {names[0]}, ..., {names[-1]}"
             lines.append(f"  not patched: {cls} ({where}): {reason}")
-        if self.trainable:
+        if self.trainable and self.training:
             lines.append("  the patched weights require grad: build the optimizer after patching (gate_up_interleaved "
                          "replaces gate/up parameters); PEFT/LoRA cannot wrap fused gate/up: unpatch(model) first")
         return "\n".join(lines)

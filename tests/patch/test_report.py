@@ -22,7 +22,7 @@ def test_report_fields_and_text():
     assert report.model_type == "qwen3" and report.patched == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert report.activations == {"model.layers.0.mlp": "silu", "model.layers.1.mlp": "silu"}
     assert report.has_gated_mlp and not report.not_patched and report.probes == 1
-    assert str(report).splitlines()[0] == "apply_fused_mlp: patched 2 gated MLP(s) (silu), 0 left as they are"
+    assert str(report).splitlines()[0] == "apply_fused_mlp: patched 2 MLP(s) (silu), 0 gated module(s) left as they are"
 
 
 def test_report_groups_modules_left_by_reason():
