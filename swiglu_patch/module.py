@@ -27,7 +27,10 @@ from .registry import MLPFamily
 
 
 class FusedGatedMLP(nn.Module):
-    """down_proj(act(x @ Wg^T + bg) * (x @ Wu^T + bu)) with gate and up packed into one weight.
+    """down(epilogue(x @ Wg^T + bg, x @ Wu^T + bu)) with gate and up packed into one weight.
+
+    The plain epilogue is act(gate) * up; a `GatedEpilogue` adds scales and a clamp. Forward:
+    x [..., K] in the weights' dtype -> [..., K'] (down's output width, K for an MLP).
 
     Args:
         original: the HF MLP module being replaced; its gate/up weights are consumed.

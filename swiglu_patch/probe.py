@@ -38,12 +38,11 @@ def forward_arity_problem(module: nn.Module) -> str | None:
     """Why the module's forward cannot be replaced by one that takes a single tensor, or None."""
     try:
         params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # follows functools.wraps
-    except (TypeError, ValueError):
-        return None
-    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    optional = [p for p in params if p.default is not p.empty or p.kind == p.KEYWORD_ONLY]
-    if len(required) != 1 or optional:
-        names = ", ".join(p.name for p in params)
+    except (TypeError, ValueError) as e:
+        return f"its forward's signature cannot be read ({e}); the fused module takes one input tensor"
+    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        names = ", ".join(("**" if p.kind == p.VAR_KEYWORD else "*" if p.kind == p.VAR_POSITIONAL else "") + p.name
+                          for p in params)
         return f"its forward takes ({names}); the fused module takes one input tensor"
     return None
 

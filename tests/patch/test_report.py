@@ -91,6 +91,13 @@ def test_forward_with_more_inputs_is_refused():
     with pytest.raises(PatchError, match=r"its forward takes \(x, scale\); the fused module takes one input"):
         apply_fused_mlp(nn.Sequential(TwoInputs()))
 
+    class Keywords(TwoInputs):
+        def forward(self, x, **kwargs):
+            return super().forward(x, **kwargs)
+
+    with pytest.raises(PatchError, match=r"its forward takes \(x, \*\*kwargs\)"):
+        apply_fused_mlp(nn.Sequential(Keywords()))
+
 
 def test_a_registry_class_that_no_longer_matches_its_record_is_refused():
     model = tiny_model("llama")

@@ -8,8 +8,9 @@ On one build of the model, in fp32 on CPU (fused modules on the PyTorch referenc
    and leaves the model as it was (state dict bytes, no fused module);
 3. `apply_fused_mlp(strict=False)`: each patched module's output equals the original's at both scales
    (max |diff| <= 1e-5 of max |original|); logits within 1e-4 of their largest value and the greedy
-   tokens equal; the report names every module that `find_gated` found (and only those); the state
-   dict has the same keys and bytes; `save_pretrained` reloads in plain transformers with no key
+   tokens equal; the report names every module that `find_gated` found (and only those) and every
+   module whose forward looks gated (`_gated_looking`, read from the source); the state dict has the
+   same keys and bytes, patched or not; `save_pretrained` reloads in plain transformers with no key
    missing or unexpected and the same logits;
 4. `unpatch`: the state dict bit for bit and the logits equal to before.
 
@@ -215,6 +216,8 @@ def examine(model_type: str, variant: str = "default", save: bool = True) -> Row
             if not err <= MODULE_TOL:
                 row.failures.append(f"{name}: fused output off by {err:.2g} at input scale {scale:g}")
 
+    if not _same_bytes(_bytes(model.state_dict()), original):  # nothing dropped, renamed or changed
+        row.failures.append("the patched model's state dict differs from the original (keys or bytes)")
     if report.patched:
         _check_patched_model(row, built, ids, logits, tokens, original, save)
     row.seconds = time.perf_counter() - t0
@@ -237,8 +240,6 @@ def _check_patched_model(row, built, ids, logits, tokens, original, save):
             row.failures.append(f"logits differ by {diff:.3g} (largest logit {scale:.3g})")
     if gen is not None and not torch.equal(gen, tokens):
         row.failures.append("greedy tokens differ")
-    if not _same_bytes(_bytes(model.state_dict()), original):
-        row.failures.append("the patched state dict differs from the original (keys or bytes)")
     problems = _save_reload_problems(built, ids, logits) if save else []
     unpatch(model)
     if is_patched(model) or not _same_bytes(_bytes(model.state_dict()), original):

@@ -111,3 +111,17 @@ def test_lfm2_and_llama4_mlps_with_other_names_are_patched():
     assert _exact("lfm2", save=True).classes == ["Lfm2MLP (silu)"]  # w1/w3/w2, silu written in the forward
     row = _exact("llama4_text", save=False)  # activation_fn
     assert "Llama4TextMLP (silu)" in row.classes and row.report.moe_experts
+
+
+def test_the_zoo_checks_catch_a_patch_that_drops_math(monkeypatch):
+    """Negative control: without the probe and with the clamp left out of the registry, the zoo's own
+    checks see the dropped clamp (module outputs, logits)."""
+    import swiglu_patch.patch as patch_module
+    from swiglu_patch.registry import KNOWN_MLP_CLASSES, plain
+
+    record = KNOWN_MLP_CLASSES["DeepseekV4MLP"]
+    monkeypatch.setitem(KNOWN_MLP_CLASSES, "DeepseekV4MLP", type(record)(**{**record.__dict__, "settings": plain}))
+    monkeypatch.setattr(patch_module, "probe", lambda *args, **kwargs: 0.0)
+    row = examine("deepseek_v4", "swiglu_limit", save=False)
+    assert any("fused output off by" in f and "at input scale 30" in f for f in row.failures), row.failures
+    assert any(f.startswith("logits differ") for f in row.failures), row.failures
