@@ -34,7 +34,7 @@ plain transformers) against the unpatched model's; "not checked" notes say where
 own forward fails before any patching.
 
 - **patched**: every gated module is fused (`strict=True` works).
-- **patched, some left**: the modules listed under "left as they are" keep their original class
+- **partly patched**: the modules listed under "left as they are" keep their original class
   (`strict=True` raises and names the first; `strict=False` patches the rest).
 - **refused**: the model has gated modules, none can be fused yet.
 - **no gated MLP**: the model has none; `strict=True` says so.
@@ -55,13 +55,14 @@ def _result(row: Row) -> str:
         return "**FAILED**: " + "; ".join(row.failures)
     return {
         "patched": f"patched {row.patched} of {row.gated}",
-        "patched, some refused": f"patched {row.patched} of {row.gated}, some left",
+        "patched, some refused": f"partly patched: {row.patched} of {row.gated}",
         "refused": f"refused ({row.gated})",
     }.get(row.status, row.status)
 
 
 def render(rows: list[Row]) -> str:
-    counts = Counter("failed" if r.failures else r.status.replace("some refused", "some left") for r in rows)
+    counts = Counter("failed" if r.failures else r.status.replace("patched, some refused", "partly patched")
+                     for r in rows)
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     lines = [HEADER.format(version=transformers.__version__, torch=torch.__version__.split("+")[0], summary=summary)]
     for r in rows:
