@@ -1,13 +1,18 @@
 """`FusedGatedMLP`: the module that replaces a gated MLP once it is patched.
 
 It holds the packed ``gate_up_interleaved`` weight [2*I, K] (and bias [2*I] when the MLP
-had biases), the MLP's own ``down_proj`` module, and the original MLP module with its gate
-and up weights moved to the meta device (no memory), kept to be put back by `unpatch`.
+had biases), the MLP's own down projection under its original name (``down_proj``, LFM2's
+``w2``), and the original MLP module with its gate and up weights moved to the meta device
+(no memory), kept to be put back by `unpatch`.
 
 Its state dict speaks the original checkpoint's language: `state_dict()` writes
 ``gate_proj.weight`` / ``up_proj.weight`` (or Phi-3's chunked ``gate_up_proj.weight``)
 unpacked, and `load_state_dict` reads those keys and packs them, so `save_pretrained`
 gives a plain transformers checkpoint and an original checkpoint loads into a patched model.
+
+Under the names of the projections it packed (``gate_proj``, ``up_proj``) it holds
+`PackedAway` markers: modules with no weights whose only job is to answer a tool that looks
+them up by name (PEFT's ``target_modules``) with an error that says what happened to them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,10 @@ from .registry import MLPFamily
 
 
 class FusedGatedMLP(nn.Module):
-    """down_proj(act(x @ Wg^T + bg) * (x @ Wu^T + bu)) with gate and up packed into one weight.
+    """down(epilogue(x @ Wg^T + bg, x @ Wu^T + bu)) with gate and up packed into one weight.
+
+    The plain epilogue is act(gate) * up; a `GatedEpilogue` adds scales and a clamp. Forward:
+    x [..., K] in the weights' dtype -> [..., K'] (down's output width, K for an MLP).
 
     Args:
         original: the HF MLP module being replaced; its gate/up weights are consumed.
@@ -43,17 +51,24 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_interleaved_bias = (
             nn.Parameter(packed_bias, requires_grad=requires_grad) if packed_bias is not None else None
         )
-        self.down_proj = getattr(original, family.down)
+        self.add_module(family.down, getattr(original, family.down))  # the checkpoint's name (LFM2: w2)
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
         self.family = family
+        for name in family.packed:
+            self.add_module(name, PackedAway(name, family))
         _release_gate_up(original, family)
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
                                      self.backend)
-        return self.down_proj(h)
+        return self.down(h)
+
+    @property
+    def down(self) -> nn.Module:
+        """The original down projection (registered under its own name, `family.down`)."""
+        return self._modules[self.family.down]
 
     def extra_repr(self) -> str:
         n, k = self.gate_up_interleaved.shape
@@ -107,7 +122,7 @@ class FusedGatedMLP(nn.Module):
             with torch.no_grad():
                 param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
         if strict:
-            known = set(names) | set(self._modules)
+            known = set(self._modules)
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in known:
                     unexpected_keys.append(key)
@@ -124,8 +139,36 @@ class FusedGatedMLP(nn.Module):
             linear = getattr(original, name)
             requires_grad = self.gate_up_interleaved.requires_grad
             setattr(linear, suffix, nn.Parameter(tensor, requires_grad=requires_grad))
-        setattr(original, f.down, self.down_proj)
+        setattr(original, f.down, self.down)
         return original
+
+
+class PackedAway(nn.Module):
+    """Stands where a packed projection was (``gate_proj``, ``up_proj``): no weights, no forward.
+
+    A tool that finds modules by name (PEFT's LoRA ``target_modules``) reaches this marker
+    instead of silently skipping the projection, and its error shows this module's repr,
+    which says what happened and what to do.
+    """
+
+    def __init__(self, name: str, family: MLPFamily):
+        super().__init__()
+        others = [n for n in family.packed if n != name]
+        self.name, self.down = name, family.down
+        self.packed = f"{name} is packed" + (f" with {', '.join(others)}" if others else "")
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.packed} into this FusedGatedMLP's gate_up_interleaved by swiglu-patch; it has no weight of "
+            "its own, so LoRA/PEFT cannot wrap it: call swiglu_patch.unpatch(model) before "
+            f"get_peft_model, or target only {self.down}"
+        )
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"PackedAway: {self.extra_repr()}")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        pass  # the FusedGatedMLP above reads this projection's keys
 
 
 def _split_original(mlp: nn.Module, f: MLPFamily):
@@ -141,7 +184,7 @@ def _split_original(mlp: nn.Module, f: MLPFamily):
 
 def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> None:
     """Swap the original gate/up parameters for meta tensors of the same shape (frees them)."""
-    for name in [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]:
+    for name in f.packed:
         lin = getattr(mlp, name)
         for suffix in ("weight", "bias"):
             p = getattr(lin, suffix)

@@ -1,102 +1,139 @@
-"""`apply_fused_mlp` and `unpatch`: swap every gated MLP of a model for a `FusedGatedMLP` and back."""
+"""`apply_fused_mlp` and `unpatch`: swap every gated MLP of a model for a `FusedGatedMLP` and back.
+
+A module is replaced only when it is shown to compute what the fused module runs:
+
+1. find: every gated module of the model (`find_gated`): MLPs by class (`KNOWN_MLP_CLASSES`)
+   or by structure (`STRUCTURES`), and MoE experts (3-D gated parameters), which are listed
+   and not fused yet;
+2. check (`CHECKS`, then the activation, the class's settings and the numeric probe): each
+   check raises ValueError with the reason it refuses; the probe (`probe.py`) runs once per
+   class and setting;
+3. pack: only after every module passed (strict) or was listed as refused (strict=False).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from . import tensor_parallel
 from .functional import BACKENDS
-from .kernels.epilogue import ACTIVATIONS
+from .kernels.epilogue import ACTIVATIONS, GatedEpilogue
 from .module import FusedGatedMLP
-from .registry import FAMILIES, HF_ACTIVATIONS, STRUCTURES, MLPFamily, activation_of_module, supported_model_types
+from .probe import forward_arity_problem, probe
+from .registry import (
+    EXPERT_PARAMETERS,
+    HF_ACTIVATIONS,
+    KNOWN_MLP_CLASSES,
+    MLPFamily,
+    activation_of_module,
+    structure_of,
+    supported_model_types,
+)
+from .report import MOE_EXPERTS, NotPatched, PatchReport
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class PatchError(ValueError):
-    """A module that looks like a gated MLP cannot be patched (strict mode)."""
+    """A gated module cannot be patched (strict mode), or the model has none."""
 
 
-@dataclass
-class PatchReport:
-    """What `apply_fused_mlp` did.
+@dataclass(frozen=True)
+class Gated:
+    """A gated module found in a model.
 
     Attributes:
-        patched: names of the MLP modules replaced.
-        by_structure: the subset of `patched` whose class is not in the registry, matched by
-            their gate/up/down/act structure alone.
-        skipped: (module name, reason) for every gated MLP left alone (strict=False).
-        already_patched: names of MLPs that were fused before this call.
-        activations: module name -> kernel activation, for the patched ones.
+        name, module: where it is and what it is.
+        family: where it keeps its projections (None for MoE experts).
+        known: its class is in `KNOWN_MLP_CLASSES` (else matched by structure).
+        reason: why it cannot be patched, known at once (MoE experts), else None.
     """
 
-    patched: list[str] = field(default_factory=list)
-    by_structure: list[str] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    already_patched: list[str] = field(default_factory=list)
-    activations: dict[str, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        acts = sorted(set(self.activations.values()))
-        lines = [f"apply_fused_mlp: patched {len(self.patched)} MLP(s)" + (f" ({', '.join(acts)})" if acts else "")]
-        if self.by_structure:
-            lines.append(f"  {len(self.by_structure)} patched by structure (class not in the registry): "
-                         + ", ".join(self.by_structure[:3]) + (" ..." if len(self.by_structure) > 3 else ""))
-        if self.already_patched:
-            lines.append(f"  {len(self.already_patched)} already patched, left as they were")
-        for name, reason in self.skipped:
-            lines.append(f"  skipped {name}: {reason}")
-        return "\n".join(lines)
+    name: str
+    module: nn.Module
+    family: MLPFamily | None
+    known: bool = False
+    reason: str | None = None
 
 
-def _family_of(module: nn.Module, model_config) -> tuple[MLPFamily | None, bool]:
-    """(family, by_structure) if `module` is a gated MLP, else (None, False)."""
-    config = getattr(module, "config", None) or model_config
-    family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is not None and type(module).__name__ == family.mlp_class:
-        return family, False
-    for f in ((family,) if family else ()) + STRUCTURES:
-        names = [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]
-        if all(hasattr(module, n) for n in names + [f.down, f.act]) and all(
-            isinstance(getattr(module, n), nn.Module) for n in names + [f.down]
-        ):
-            return f, True
-    return None, False
+def _is_experts(module: nn.Module) -> bool:
+    params = [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() >= 3]
+    return any(n in EXPERT_PARAMETERS for n, _ in params) or (bool(params) and "Expert" in type(module).__name__)
 
 
-def _activation(module: nn.Module, family: MLPFamily, by_structure: bool, model_config) -> str:
-    """The kernel activation for `module`; raises ValueError with the reason if unsupported."""
-    from_module = activation_of_module(getattr(module, family.act))
-    if by_structure:
-        if from_module is None:
-            raise ValueError(
-                f"activation {type(getattr(module, family.act)).__name__} is not supported; supported: "
-                f"{', '.join(ACTIVATIONS)}"
-            )
-        return from_module
-    config = getattr(module, "config", None) or model_config
-    name = getattr(config, family.activation_key, None)
-    if name not in HF_ACTIVATIONS:
+def find_gated(model: nn.Module) -> tuple[list[Gated], list[str]]:
+    """(every gated module not yet fused, names of the `FusedGatedMLP`s already there)."""
+    found, fused, claimed = [], [], []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") for c in claimed):
+            continue  # inside a module already found: its projections, not MLPs of their own
+        if isinstance(module, FusedGatedMLP):
+            fused.append(name)
+        elif _is_experts(module):
+            found.append(Gated(name, module, None, reason=MOE_EXPERTS))
+        elif type(module).__name__ in KNOWN_MLP_CLASSES:
+            found.append(Gated(name, module, KNOWN_MLP_CLASSES[type(module).__name__], known=True))
+        elif (family := structure_of(module)) is not None:
+            found.append(Gated(name, module, family))
+        else:
+            continue
+        claimed.append(name)
+    return found, fused
+
+
+# -- the checks: each raises ValueError with the reason it refuses --------------------------------------
+
+
+def _describe(names: list[str], module: nn.Module) -> str:
+    parts = []
+    for n in names:
+        obj = module._modules.get(n)
+        obj = obj if obj is not None else module._parameters.get(n, module._buffers.get(n))
+        parts.append(f"{n} ({type(obj).__name__})")
+    return ", ".join(parts)
+
+
+def check_structure(module: nn.Module, family: MLPFamily) -> None:
+    """Nothing beyond gate, up, down and the activation: anything more is more math."""
+    own = set(family.projections) | ({family.act} if family.act else set())
+    missing = [n for n in own if not isinstance(module._modules.get(n), nn.Module)]
+    if missing:
+        raise ValueError(f"the registry record names {', '.join(sorted(missing))}, which the module does not have")
+    extra = [n for n, m in module._modules.items() if n not in own and m is not None]
+    extra += [n for n, p in module._parameters.items() if p is not None]
+    extra += [n for n, b in module._buffers.items() if b is not None]
+    if extra:
+        if any(word in n.lower() for n in extra for word in ("router", "expert")):
+            raise ValueError(f"a mixture-of-experts block with a router ({_describe(extra, module)}): not fused yet")
         raise ValueError(
-            f"activation {family.activation_key}={name!r} is not supported; supported: {', '.join(HF_ACTIVATIONS)}"
+            f"it holds more than gate, up, down and the activation: {_describe(extra, module)}; its forward "
+            "computes more than the gated MLP"
         )
-    if from_module is not None and from_module != HF_ACTIVATIONS[name]:
-        raise ValueError(
-            f"config says {family.activation_key}={name!r} but the module's {family.act} is "
-            f"{type(getattr(module, family.act)).__name__}; refusing to guess which one the model computes"
-        )
-    return HF_ACTIVATIONS[name]
 
 
-def _check_linears(module: nn.Module, family: MLPFamily) -> None:
-    """Raise ValueError naming why the projections are not plain float nn.Linear on a real device."""
-    names = [family.gate_up_chunked] if family.gate_up_chunked else [family.gate, family.up]
-    linears = [getattr(module, n) for n in names + [family.down]]
-    sharded = tensor_parallel.check_sharding(module, family)  # raises for a tensor-parallel layout it cannot run
-    for name, lin in zip(names + [family.down], linears):
+def check_forward(module: nn.Module, family: MLPFamily) -> None:
+    """The class's forward takes one tensor and nothing replaced it on the instance or hooks into it."""
+    problem = forward_arity_problem(module)
+    if problem:
+        raise ValueError(problem)
+    if "forward" in module.__dict__ and getattr(module, "_hf_hook", None) is None:
+        raise ValueError("its forward is overridden on the instance; the fused module would not run that override")
+    for owner, label in [(module, "it")] + [(getattr(module, n), n) for n in family.projections]:
+        hooks = sum(len(getattr(owner, h)) for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                                      "_backward_pre_hooks"))
+        if hooks:
+            raise ValueError(f"{label} has {hooks} forward/backward hook(s), which the fused module would not run")
+
+
+def check_linears(module: nn.Module, family: MLPFamily) -> None:
+    """Plain float nn.Linear projections on a real device; gate and up alike."""
+    names = list(family.projections)
+    linears = [getattr(module, n) for n in names]
+    for name, lin in zip(names, linears):
         if type(lin) is not nn.Linear:
             raise ValueError(
                 f"{name} is {type(lin).__module__}.{type(lin).__name__}, not a plain torch.nn.Linear "
@@ -109,7 +146,7 @@ def _check_linears(module: nn.Module, family: MLPFamily) -> None:
                 "devices (no disk/CPU offload) before patching"
             )
         w = lin.weight
-        if (type(w.data) is not torch.Tensor and not sharded) or w.dtype not in _FLOAT_DTYPES:
+        if (type(w.data) is not torch.Tensor and not tensor_parallel.is_dtensor(w)) or w.dtype not in _FLOAT_DTYPES:
             raise ValueError(
                 f"{name}.weight is {type(w.data).__name__} of dtype {w.dtype}; the fused kernel needs a plain "
                 "(or tensor-parallel DTensor) bfloat16/float16/float32 tensor (quantized and fp8 weights are not "
@@ -122,79 +159,157 @@ def _check_linears(module: nn.Module, family: MLPFamily) -> None:
         raise ValueError("gate has a bias and up has none, or the other way round")
 
 
-def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "auto") -> PatchReport:
-    """Replace every gated MLP in `model` with a `FusedGatedMLP`, in place.
+def check_tensor_parallel(module: nn.Module, family: MLPFamily) -> None:
+    """A tensor-parallel MLP is sharded the way the fused MLP runs it (`tensor_parallel.check_sharding`)."""
+    tensor_parallel.check_sharding(module, family)
 
-    Each MLP's gate and up weights are packed (`interleave_gate_up`) on their own device and dtype
-    and the originals freed, one layer at a time, so patching holds at most one extra
-    layer's gate/up weights. Calling it again on a patched model changes nothing.
+
+# Structural checks, in order; each raises ValueError with the reason it refuses.
+CHECKS = [check_structure, check_tensor_parallel, check_forward, check_linears]
+
+
+def activation_of(module: nn.Module, family: MLPFamily, known: bool) -> str:
+    """The kernel activation the module applies to the gate; ValueError with the reason if none fits."""
+    if family.act is None:
+        if family.activation is None:
+            raise ValueError("it has no activation module (its forward writes the activation) and its class is "
+                             "not in the registry")
+        return family.activation
+    act = getattr(module, family.act)
+    from_module = activation_of_module(act)
+    config = getattr(module, "config", None)
+    key = family.activation_key if known else None
+    name = getattr(config, key, None) if key and config is not None else None
+    if from_module is None:
+        what = f"{key}={name!r} ({type(act).__name__})" if name is not None else type(act).__name__
+        raise ValueError(f"activation {what} is not supported; supported: {', '.join(HF_ACTIVATIONS)} (the "
+                         f"kernel's {', '.join(ACTIVATIONS)})")
+    if name is not None and HF_ACTIVATIONS.get(name) != from_module:
+        raise ValueError(
+            f"config says {key}={name!r} but the module's {family.act} is {type(act).__name__}; refusing to guess "
+            "which one the model computes"
+        )
+    return from_module
+
+
+def _probe_key(g: Gated, epilogue: GatedEpilogue) -> tuple:
+    """What the probe's verdict depends on: the class, structure, epilogue, biases and plain attributes."""
+    attrs = []
+    for k, v in sorted(vars(g.module).items()):
+        if k.startswith("_") or k == "forward":
+            continue
+        attrs.append((k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v)))
+    bias = tuple(getattr(g.module, n).bias is not None for n in g.family.projections)
+    return (type(g.module), g.family, epilogue, bias, tuple(attrs))
+
+
+def plan_one(g: Gated, proven: dict) -> GatedEpilogue:
+    """The epilogue that computes `g.module` exactly; ValueError with the reason otherwise.
+
+    `proven` caches the probe's verdict per `_probe_key` (one probe per class and setting).
+    """
+    for check in CHECKS:
+        check(g.module, g.family)
+    epilogue = g.family.settings(g.module, activation_of(g.module, g.family, g.known))
+    key = _probe_key(g, epilogue)
+    if key not in proven:
+        try:
+            probe(g.module, g.family, epilogue)
+            proven[key] = None
+        except ValueError as e:
+            proven[key] = str(e)
+    if proven[key] is not None:
+        raise ValueError(proven[key])
+    return epilogue
+
+
+# -- the packing step -----------------------------------------------------------------------------------
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module, family: MLPFamily, epilogue: GatedEpilogue,
+             backend: str) -> FusedGatedMLP:
+    shards = tensor_parallel.localize(module, family)  # None unless tensor-parallel
+    fused = FusedGatedMLP(module, family, epilogue, backend)
+    tensor_parallel.attach(fused, shards)
+    hook = getattr(module, "_hf_hook", None)
+    if hook is not None:  # accelerate's device-alignment hook travels with the module
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(fused, hook)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, fused)
+    return fused
+
+
+def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "auto") -> PatchReport:
+    """Replace every gated MLP of `model` that is shown to be exact with a `FusedGatedMLP`, in place.
+
+    Each gated module is checked first (structure, forward, projections, activation, the
+    class's settings) and its class is run against the fused module by the numeric probe
+    (`probe.py`; once per class and setting, on small fp32 copies, never the model's weights).
+    Then gate and up weights are packed (`interleave_gate_up`) on their own device and dtype
+    and the originals freed, one module at a time. Calling it again changes nothing.
 
     Args:
         model: a transformers model (or any nn.Module holding gated MLPs).
-        strict: raise on the first gated MLP that cannot be patched (default); with False,
-            skip it and list it in the report.
+        strict: raise unless every gated module can be patched (default), before changing
+            anything; with False, patch the ones that can and list the others in the report.
         backend: `gated_linear` backend for the fused modules ("auto", "triton", "torch").
 
     Returns:
-        A `PatchReport`.
+        A `PatchReport` naming every gated module: patched, or left with the reason.
 
     Raises:
-        PatchError: strict and a gated MLP cannot be patched (quantized or non-Linear
-            projections, meta/offloaded weights, an unsupported activation), or no gated
-            MLP exists in the model at all.
+        PatchError: strict and a gated module cannot be patched (MoE experts, more math than
+            the gated MLP, quantized or non-Linear projections, meta/offloaded weights, an
+            unsupported activation or setting), or the model has no gated MLP at all.
         ValueError: unknown backend.
     """
     if backend not in BACKENDS:
         raise ValueError(f"apply_fused_mlp: backend must be one of {BACKENDS}, got {backend!r}")
-    model_config = getattr(model, "config", None)
-    report = PatchReport()
-    targets = []
-    for name, module in model.named_modules():
-        if isinstance(module, FusedGatedMLP):
-            report.already_patched.append(name)
-            continue
-        family, by_structure = _family_of(module, model_config)
-        if family is not None:
-            targets.append((name, module, family, by_structure))
-    if not targets and not report.already_patched:
-        model_type = getattr(model_config, "model_type", None)
-        msg = (
-            f"apply_fused_mlp: no gated MLP found in {type(model).__name__} (model_type {model_type!r}): "
-            f"model_type {model_type!r} has no gated MLP; supported: {supported_model_types()}"
-        )
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    found, fused_names = find_gated(model)
+    report = PatchReport(model_type=model_type, already_patched=fused_names, training=model.training)
+    if not found and not fused_names:
         if strict:
-            raise PatchError(msg)
-        report.skipped.append(("<model>", msg))
+            raise PatchError(
+                f"apply_fused_mlp: no gated MLP found in {type(model).__name__}: model_type {model_type!r} has no "
+                f"gated MLP; supported: {supported_model_types()}"
+            )
         return report
 
-    plan = []  # check every MLP before touching any, so strict mode never half-patches
-    for name, module, family, by_structure in targets:
+    plan, proven = [], {}  # check every module before touching any, so strict mode never half-patches
+    for g in found:
         try:
-            _check_linears(module, family)
-            plan.append((name, module, family, by_structure, _activation(module, family, by_structure, model_config)))
+            if g.reason:
+                raise ValueError(g.reason)
+            plan.append((g, plan_one(g, proven)))
         except ValueError as e:
-            if strict:
-                raise PatchError(
-                    f"apply_fused_mlp: cannot patch {name} ({type(module).__name__}): {e}. "
-                    "Pass strict=False to skip it and patch the rest."
-                ) from None
-            report.skipped.append((name, str(e)))
+            report.not_patched.append(NotPatched(g.name, type(g.module).__name__, str(e)))
+    report.probes = len(proven)
+    if strict and report.not_patched:
+        first, more = report.not_patched[0], len(report.not_patched) - 1
+        raise PatchError(
+            f"apply_fused_mlp: cannot patch {first.name} ({first.module_class}): {first.reason}"
+            + (f" ({more} more gated module(s) cannot be patched either)" if more else "")
+            + (f". Pass strict=False to patch the {len(plan)} that can be and leave these as they are." if plan else
+               ". None of the model's gated modules can be patched; strict=False returns the report without raising.")
+        )
 
-    for name, module, family, by_structure, activation in plan:
-        shards = tensor_parallel.localize(module, family)  # None unless tensor-parallel
-        fused = FusedGatedMLP(module, family, activation, backend)
-        tensor_parallel.attach(fused, shards)
-        hook = getattr(module, "_hf_hook", None)
-        if hook is not None:  # accelerate's device-alignment hook travels with the module
-            from accelerate.hooks import add_hook_to_module
-
-            add_hook_to_module(fused, hook)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, fused)
-        report.patched.append(name)
-        report.activations[name] = activation
-        if by_structure:
-            report.by_structure.append(name)
+    for g, epilogue in plan:
+        fused = _replace(model, g.name, g.module, g.family, epilogue, backend)
+        report.patched.append(g.name)
+        report.epilogues[g.name] = epilogue
+        if not g.known:
+            report.by_structure.append(g.name)
+        report.trainable |= fused.gate_up_interleaved.requires_grad
+    if report.trainable and report.training:  # from_pretrained returns eval mode: inference patches stay quiet
+        warnings.warn(
+            "apply_fused_mlp: the patched gate/up weights require grad. Build the optimizer after patching: the "
+            "packed gate_up_interleaved parameters replace gate_proj/up_proj, so an optimizer built before holds "
+            "parameters the model no longer uses. PEFT/LoRA cannot wrap fused gate/up: unpatch(model) first.",
+            stacklevel=2,
+        )
     return report
 
 

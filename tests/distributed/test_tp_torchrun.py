@@ -149,12 +149,15 @@ def test_local_packed_weight_is_the_column_shard_of_the_global_packed_weight(ran
 
 
 def test_patching_holds_at_most_one_layer_more(ranks):
-    """Net bytes while patching (new minus freed) never exceed one layer's local packed weight and bias."""
+    """Net bytes while patching (new minus freed) never exceed one layer's local packed weight and bias,
+    plus the numeric probe's small copies (a fixed few KB, measured alone on the same rank)."""
     for name in PATCHED:
         for r, res in enumerate(ranks):
             rec = res[name]
             layer = rec["packed"][0].nbytes + (rec["packed_bias"][0].nbytes if rec["packed_bias"][0] is not None else 0)
-            assert 0 < rec["patch_peak"] <= layer, f"{name} rank {r}: peak {rec['patch_peak']} B, one layer {layer} B"
+            assert 0 < rec["probe_peak"] < 64 * 1024, f"{name} rank {r}: the probe held {rec['probe_peak']} B"
+            assert 0 < rec["patch_peak"] <= layer + rec["probe_peak"], (
+                f"{name} rank {r}: peak {rec['patch_peak']} B, one layer {layer} B + probe {rec['probe_peak']} B")
             assert rec["patch_net"] <= 0, f"{name} rank {r}: patching kept {rec['patch_net']} B more"
 
 
@@ -194,7 +197,7 @@ def test_i_over_tp_not_a_multiple_of_16_is_refused(ranks):
         rec = res["llama_i72"]
         assert rec["error"] is not None, "apply_fused_mlp patched a model whose I/tp is not a multiple of 16"
         for part in ("I=72", f"tp={tp}", f"{72 // tp} gate/up rows per rank", "multiple of 16",
-                     "No tp > 1 works", "Pass strict=False"):
+                     "No tp > 1 works", "strict=False"):
             assert part in rec["error"], f"missing {part!r} in: {rec['error']}"
         assert [n for n, _ in rec["skipped"]] == ["model.layers.0.mlp", "model.layers.1.mlp"]
         assert rec["patched"] == [] and rec["state_diff"] == [] and rec["logits_equal"]

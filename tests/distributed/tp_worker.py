@@ -34,6 +34,10 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from live_bytes import LiveBytes  # noqa: E402
+from swiglu_patch.kernels.epilogue import GatedEpilogue  # noqa: E402
+from swiglu_patch.patch import activation_of  # noqa: E402
+from swiglu_patch.probe import probe  # noqa: E402
+from swiglu_patch.registry import KNOWN_MLP_CLASSES  # noqa: E402
 from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch  # noqa: E402
 
 MLP_TOKENS = 64
@@ -115,6 +119,11 @@ def run_patch(case: dict, out_dir: Path) -> dict:
     r["weight_bytes_plain"] = weight_bytes(model)
     r["mlp_peak_eager"] = mlp_peak(model.model.layers[0].mlp, config.hidden_size)
 
+    mlp0 = model.model.layers[0].mlp
+    family = KNOWN_MLP_CLASSES[type(mlp0).__name__]
+    with LiveBytes() as lp:  # the probe's small copies: a fixed cost, whatever the model's size
+        probe(mlp0, family, GatedEpilogue(activation_of(mlp0, family, True)))
+    r["probe_peak"] = lp.peak
     with LiveBytes(watch=[local(p) for p in model.parameters()]) as lb:
         r["report"] = str(apply_fused_mlp(model))
     r["patch_peak"], r["patch_net"] = lb.peak, lb.current
@@ -177,7 +186,7 @@ def run_refuse(case: dict) -> dict:
     except PatchError as e:
         r["error"] = str(e)
     report = apply_fused_mlp(model, strict=False)
-    r["skipped"] = report.skipped
+    r["skipped"] = [(n.name, n.reason) for n in report.not_patched]
     r["patched"] = report.patched
     r["state_diff"] = diff_state(before, local_state(model))
     with torch.no_grad():

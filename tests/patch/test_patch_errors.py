@@ -14,12 +14,13 @@ def test_model_without_gated_mlp():
     with pytest.raises(PatchError, match=r"model_type 'gpt2' has no gated MLP; supported: llama, mistral"):
         apply_fused_mlp(model)
     report = apply_fused_mlp(model, strict=False)
-    assert not report.patched and "no gated MLP" in report.skipped[0][1]
+    assert not report.patched and not report.not_patched and not report.has_gated_mlp
+    assert "model_type 'gpt2' has no gated MLP" in str(report)
 
 
 def test_unsupported_activation():
     model = tiny_model("llama", hidden_act="relu")
-    with pytest.raises(PatchError, match=r"model.layers.0.mlp .*hidden_act='relu' is not supported; supported:"):
+    with pytest.raises(PatchError, match=r"model.layers.0.mlp \(LlamaMLP\): activation hidden_act='relu' \(ReLU\) is not supported; supported:"):
         apply_fused_mlp(model)
     assert not is_patched(model)
 
@@ -44,8 +45,8 @@ def test_quantized_linear_strict_and_lenient():
     assert not is_patched(model), "strict mode must not half-patch"
     report = apply_fused_mlp(model, strict=False)
     assert report.patched == ["model.layers.0.mlp"]
-    assert report.skipped[0][0] == "model.layers.1.mlp" and "FakeLinear4bit" in report.skipped[0][1]
-    assert "skipped model.layers.1.mlp" in str(report)
+    assert report.not_patched[0].name == "model.layers.1.mlp" and "FakeLinear4bit" in report.not_patched[0].reason
+    assert "not patched: MistralMLP (model.layers.1.mlp): up_proj is" in str(report)
 
 
 def test_fp8_weights():

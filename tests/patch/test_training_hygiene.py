@@ -1,0 +1,72 @@
+"""Until the fused module trains (a later issue): patching trainable weights says that an optimizer
+must be built after patching, and PEFT's LoRA on a patched model fails with a clear error instead
+of wrapping only down_proj."""
+
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from swiglu_patch import apply_fused_mlp, unpatch
+
+
+def test_patching_trainable_weights_in_train_mode_warns_and_reports():
+    model = tiny_model("llama").train()
+    with pytest.warns(UserWarning, match="Build the optimizer after patching"):
+        report = apply_fused_mlp(model, backend="torch")
+    assert report.trainable and "build the optimizer after patching" in str(report)
+
+
+def test_inference_patch_is_quiet():
+    """from_pretrained returns eval mode with weights that require grad: no warning there, the report says it."""
+    model = tiny_model("llama")  # eval mode
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = apply_fused_mlp(model)
+    assert report.trainable and "optimizer" not in str(report)
+    frozen = tiny_model("llama").requires_grad_(False).train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not apply_fused_mlp(frozen).trainable
+
+
+def test_an_optimizer_built_after_patching_updates_the_packed_weight():
+    model = tiny_model("llama").train()
+    with pytest.warns(UserWarning):
+        apply_fused_mlp(model, backend="torch")
+    packed = model.model.layers[0].mlp.gate_up_interleaved
+    before = packed.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randint(3, 100, (1, 5))).logits.sum().backward()
+    opt.step()
+    assert not torch.equal(packed.detach(), before)
+
+
+@pytest.fixture
+def peft():
+    return pytest.importorskip("peft", reason="needs peft (pip install peft) for the LoRA guard")
+
+
+@pytest.mark.parametrize("targets", [["gate_proj", "up_proj", "down_proj"], ["gate_proj"], ["up_proj", "q_proj"]])
+def test_lora_on_patched_gate_up_fails_clearly(peft, targets):
+    model = tiny_model("llama")
+    apply_fused_mlp(model)
+    with pytest.raises(ValueError, match=r"gate_up_interleaved by swiglu-patch.*unpatch\(model\) before get_peft_model"):
+        peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+
+
+def test_lora_after_unpatch_wraps_gate_and_up(peft):
+    model = tiny_model("llama")
+    apply_fused_mlp(model)
+    unpatch(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"]))
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert wrapped == {"gate_proj", "up_proj", "down_proj"}
+
+
+def test_lora_on_down_proj_alone_still_works(peft):
+    model = tiny_model("llama")
+    apply_fused_mlp(model)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["down_proj"]))
+    assert any(n.endswith("mlp.down_proj") and hasattr(m, "lora_A") for n, m in lora.named_modules())
