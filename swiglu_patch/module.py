@@ -8,16 +8,23 @@ Its state dict speaks the original checkpoint's language: `state_dict()` writes
 ``gate_proj.weight`` / ``up_proj.weight`` (or Phi-3's chunked ``gate_up_proj.weight``)
 unpacked, and `load_state_dict` reads those keys and packs them, so `save_pretrained`
 gives a plain transformers checkpoint and an original checkpoint loads into a patched model.
+
+Under the names of the projections it packed (``gate_proj``, ``up_proj``, or Phi-3's
+``gate_up_proj``) it holds `PackedProjection` markers: modules with no weights of their own
+that tools finding modules by name reach (PEFT's ``target_modules``). A LoRA layer may wrap a
+marker (`swiglu_patch.lora`); the packed halves are then saved under the marker's path
+(``gate_proj.base_layer.weight``, as plain PEFT saves them).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
-from .kernels.layout import deinterleave_gate_up, interleave_gate_up
+from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
 from .registry import MLPFamily
 
 
@@ -43,6 +50,8 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_interleaved_bias = (
             nn.Parameter(packed_bias, requires_grad=requires_grad) if packed_bias is not None else None
         )
+        for name, half in _packed_halves(family):  # before down_proj: the original's module order
+            self.add_module(name, PackedProjection(self, half))
         self.down_proj = getattr(original, family.down)
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
@@ -65,18 +74,27 @@ class FusedGatedMLP(nn.Module):
 
     # -- the original checkpoint's keys --------------------------------------------------
 
+    def _projection_paths(self) -> dict[str, str]:
+        """{half: module path} of the packed projections: their marker's path under this module
+        (``gate_proj``, or ``gate_proj.base_layer`` when a LoRA layer wraps the marker)."""
+        paths = {half: name for name, half in _packed_halves(self.family)}
+        for path, m in self.named_modules():
+            if isinstance(m, PackedProjection) and m.fused is self:
+                paths[m.half] = path
+        return paths
+
     def _checkpoint_tensors(self, keep_vars: bool) -> dict[str, torch.Tensor]:
         """{local key: tensor} in the original module's layout."""
-        f = self.family
+        paths = self._projection_paths()
         out = {}
         for suffix, packed in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
             if packed is None:
                 continue
             gate, up = deinterleave_gate_up(packed if keep_vars else packed.detach())
-            if f.gate_up_chunked:
-                out[f"{f.gate_up_chunked}.{suffix}"] = torch.cat([gate, up])
+            if self.family.gate_up_chunked:
+                out[f"{paths['gate_up']}.{suffix}"] = torch.cat([gate, up])
             else:
-                out[f"{f.gate}.{suffix}"], out[f"{f.up}.{suffix}"] = gate, up
+                out[f"{paths['gate']}.{suffix}"], out[f"{paths['up']}.{suffix}"] = gate, up
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -86,8 +104,8 @@ class FusedGatedMLP(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own does (tensor_parallel's uses it)
             hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        f = self.family
-        names = [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]
+        paths = self._projection_paths()
+        names = [paths[half] for _, half in _packed_halves(self.family)]
         for suffix, param in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
             if param is None:
                 continue
@@ -107,7 +125,7 @@ class FusedGatedMLP(nn.Module):
             with torch.no_grad():
                 param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
         if strict:
-            known = set(names) | set(self._modules)
+            known = set(self._modules)
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in known:
                     unexpected_keys.append(key)
@@ -115,7 +133,20 @@ class FusedGatedMLP(nn.Module):
     # -- back to the original ------------------------------------------------------------
 
     def restore(self) -> nn.Module:
-        """The original MLP module, with gate/up weights unpacked bit for bit from the packed ones."""
+        """The original MLP module, with gate/up weights unpacked bit for bit from the packed ones.
+
+        Raises:
+            ValueError: a packed projection is wrapped (a PEFT LoRA layer): restoring would drop it.
+        """
+        for name, _ in _packed_halves(self.family):
+            child = self._modules.get(name)
+            if type(child) is not PackedProjection:
+                raise ValueError(
+                    f"unpatch: {name} of this fused MLP is a {type(child).__name__} (a LoRA layer over the packed "
+                    "weight); unpatching would drop its adapters. Merge them (peft_model.merge_and_unload()) or "
+                    "remove them (unload()) first, or keep them: `with swiglu_patch.lora.adapters_aside(model): "
+                    "unpatch(model)`"
+                )
         original, f = self._original, self.family
         with torch.no_grad():
             tensors = self._checkpoint_tensors(keep_vars=False)
@@ -126,6 +157,78 @@ class FusedGatedMLP(nn.Module):
             setattr(linear, suffix, nn.Parameter(tensor, requires_grad=requires_grad))
         setattr(original, f.down, self.down_proj)
         return original
+
+
+class PackedProjection(nn.Module):
+    """Stands where a packed projection was (``gate_proj``, ``up_proj``, Phi-3's ``gate_up_proj``).
+
+    It holds no parameters: its weight is its half of the fused module's ``gate_up_interleaved``.
+    `weight` and `bias` return copies of that half ([I, K] and [I]; [2*I, K] and [2*I] chunked
+    [gate; up] for "gate_up"), and calling it computes x @ weight^T + bias as the Linear did.
+    Writes to those copies change nothing: a LoRA layer over it merges through
+    `swiglu_patch.lora.PackedLoraLinear`, which writes the packed rows.
+
+    Args:
+        fused: the `FusedGatedMLP` that owns the packed weight (referenced, not a submodule).
+        half: "gate", "up", or "gate_up" (both, chunked as Phi-3's checkpoint holds them).
+
+    Attributes:
+        in_features: K.
+        out_features: I, or 2*I for "gate_up".
+    """
+
+    def __init__(self, fused: "FusedGatedMLP", half: str):
+        super().__init__()
+        if half not in ("gate", "up", "gate_up"):
+            raise ValueError(f"PackedProjection: half must be 'gate', 'up' or 'gate_up', got {half!r}")
+        n, k = fused.gate_up_interleaved.shape
+        self.half, self.in_features, self.out_features = half, k, n if half == "gate_up" else n // 2
+        object.__setattr__(self, "_fused", fused)  # not a submodule: no cycle in named_modules
+
+    @property
+    def fused(self) -> "FusedGatedMLP":
+        return self._fused
+
+    def rows(self) -> torch.Tensor:
+        """int64 [out_features]: the packed row of each of this projection's output rows."""
+        packed = self._fused.gate_up_interleaved
+        gate, up = gate_up_rows(packed.shape[0] // 2, packed.device)
+        return {"gate": gate, "up": up, "gate_up": torch.cat([gate, up])}[self.half]
+
+    def _half(self, packed: torch.Tensor) -> torch.Tensor:
+        gate, up = deinterleave_gate_up(packed)
+        return {"gate": gate, "up": up}[self.half] if self.half != "gate_up" else torch.cat([gate, up])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A copy of this projection's rows of the packed weight, [out_features, K]."""
+        return self._half(self._fused.gate_up_interleaved.detach())
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """A copy of this projection's entries of the packed bias, [out_features], or None."""
+        b = self._fused.gate_up_interleaved_bias
+        return None if b is None else self._half(b.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._fused.gate_up_interleaved_bias
+        return F.linear(x, self._half(self._fused.gate_up_interleaved), None if b is None else self._half(b))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        pass  # the FusedGatedMLP above reads this projection's keys
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.half} rows of the FusedGatedMLP's gate_up_interleaved, in_features={self.in_features}, "
+            f"out_features={self.out_features}; no weight of its own. For LoRA on it, pass the LoraConfig "
+            "through swiglu_patch.lora.register(config) before get_peft_model, or call get_peft_model before "
+            "apply_fused_mlp"
+        )
+
+
+def _packed_halves(f: MLPFamily) -> list[tuple[str, str]]:
+    """[(projection name, half)] of what the fused module packs: gate and up, or Phi-3's chunked one."""
+    return [(f.gate_up_chunked, "gate_up")] if f.gate_up_chunked else [(f.gate, "gate"), (f.up, "up")]
 
 
 def _split_original(mlp: nn.Module, f: MLPFamily):
