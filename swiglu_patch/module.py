@@ -13,7 +13,8 @@ Under the names of the projections it packed (``gate_proj``, ``up_proj``, or Phi
 ``gate_up_proj``) it holds `PackedProjection` markers: modules with no weights of their own
 that tools finding modules by name reach (PEFT's ``target_modules``). A LoRA layer may wrap a
 marker (`swiglu_patch.lora`); the packed halves are then saved under the marker's path
-(``gate_proj.base_layer.weight``, as plain PEFT saves them).
+(``gate_proj.base_layer.weight``, as plain PEFT saves them), and the forward adds the
+adapters' low-rank update inside the gated GEMM (`swiglu_patch.low_rank`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
+from .low_rank import gated_linear_low_rank, low_rank_operands
 from .registry import MLPFamily
 
 
@@ -60,6 +62,13 @@ class FusedGatedMLP(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wrapped = [m for name, _ in _packed_halves(self.family) if type(m := self._modules[name]) is not PackedProjection]
+        if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
+            x_lr, b_lr = low_rank_operands(wrapped, x)
+            if x_lr is not None:
+                h = gated_linear_low_rank(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, x_lr, b_lr,
+                                          self.epilogue, self.backend)
+                return self.down_proj(h)
         h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
                                      self.backend)
         return self.down_proj(h)
