@@ -27,6 +27,7 @@ from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
 from .low_rank import gated_linear_low_rank, low_rank_operands
+from .optimizer import mark_packed
 from .registry import MLPFamily
 
 
@@ -58,7 +59,7 @@ class FusedGatedMLP(nn.Module):
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
         self.family = family
-        _release_gate_up(original, family)
+        mark_packed(self, _release_gate_up(original, family))  # an optimizer holding them is refused at step
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,11 +252,18 @@ def _split_original(mlp: nn.Module, f: MLPFamily):
     return gate.weight, up.weight, gate.bias, up.bias
 
 
-def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> None:
-    """Swap the original gate/up parameters for meta tensors of the same shape (frees them)."""
-    for name in [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]:
+def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> dict[tuple[str, str], nn.Parameter]:
+    """Swap the original gate/up parameters for meta tensors of the same shape (frees them).
+
+    Returns:
+        {(half, suffix): the parameter taken out}, for `optimizer.mark_packed`.
+    """
+    consumed = {}
+    for name, half in _packed_halves(f):
         lin = getattr(mlp, name)
         for suffix in ("weight", "bias"):
             p = getattr(lin, suffix)
             if p is not None:
+                consumed[half, suffix] = p
                 setattr(lin, suffix, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    return consumed
