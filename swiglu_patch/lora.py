@@ -78,6 +78,9 @@ class PackedLoraLinear(LoraLinear):
     it, and `merge`/`unmerge` write this projection's rows of the packed weight.
     """
 
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features  # a PackedProjection says them (PEFT would warn)
+
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
         reason = _unsupported(config)
         if reason:

@@ -34,17 +34,21 @@ def lora_config(family: str, **overrides) -> LoraConfig:
 def peft_pair(family: str, order: str, backend: str = "torch", **overrides):
     """(base, plain PEFT on the unpatched base, PEFT on a patched copy) with the same initial adapters."""
     base = tiny_model(family)
+    torch.manual_seed(0)
     ref = get_peft_model(copy.deepcopy(base), lora_config(family, **overrides))
     ours = copy.deepcopy(base)
     if order == "patch_then_peft":
         apply_fused_mlp(ours, backend=backend)
+        torch.manual_seed(0)
         ours = get_peft_model(ours, register(lora_config(family, **overrides)))
     else:
+        torch.manual_seed(0)
         ours = get_peft_model(ours, lora_config(family, **overrides))
         with adapters_aside(ours):
             apply_fused_mlp(ours, backend=backend)
-    result = set_peft_model_state_dict(ours, get_peft_model_state_dict(ref))
-    assert not result.unexpected_keys
+    init, ref_init = get_peft_model_state_dict(ours), get_peft_model_state_dict(ref)
+    assert init.keys() == ref_init.keys(), "PEFT targeted other modules than on the unpatched model"
+    assert all(torch.equal(init[k], ref_init[k]) for k in init), "adapters drawn in another order than plain PEFT's"
     return base, ref, ours
 
 
