@@ -101,6 +101,8 @@ class FusedGatedMLP(nn.Module):
             if packed is None:
                 continue
             gate, up = deinterleave_gate_up(packed if keep_vars else packed.detach())
+            if _is_dtensor(packed):  # FSDP2: gate and up keep the packed weight's sharding (balanced checkpoints)
+                gate, up = (t.redistribute(packed.device_mesh, packed.placements) for t in (gate, up))
             if self.family.gate_up_chunked:
                 out[f"{paths['gate_up']}.{suffix}"] = torch.cat([gate, up])
             else:
@@ -124,7 +126,7 @@ class FusedGatedMLP(nn.Module):
             if missing:
                 missing_keys.extend(missing)
                 continue
-            tensors = [state_dict[k] for k in keys]
+            tensors = [t.full_tensor() if _is_dtensor(t) else t for t in (state_dict[k] for k in keys)]
             gate, up = tensors if len(tensors) == 2 else tensors[0].chunk(2)
             if 2 * gate.shape[0] != param.shape[0] or gate.shape[1:] != param.shape[1:] or gate.shape != up.shape:
                 error_msgs.append(
@@ -133,9 +135,10 @@ class FusedGatedMLP(nn.Module):
                 )
                 continue
             with torch.no_grad():
-                param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
-        if strict:
-            known = set(self._modules)
+                _copy_packed(param, interleave_gate_up(gate.to(param.device, param.dtype),
+                                                       up.to(param.device, param.dtype)))
+        if strict:  # the packed names too: DCP's full-state loading adds the parameters' own (current) values
+            known = set(self._modules) | {"gate_up_interleaved", "gate_up_interleaved_bias"}
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in known:
                     unexpected_keys.append(key)
@@ -234,6 +237,21 @@ class PackedProjection(nn.Module):
             "through swiglu_patch.lora.register(config) before get_peft_model, or call get_peft_model before "
             "apply_fused_mlp"
         )
+
+
+def _copy_packed(param: torch.Tensor, packed: torch.Tensor) -> None:
+    """param <- packed, a whole packed tensor; an FSDP2-sharded param (DTensor) takes its own rows of it."""
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        packed = distribute_tensor(packed.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                   src_data_rank=None)
+    param.copy_(packed)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A torch.distributed DTensor (FSDP2's parameters), without importing torch.distributed."""
+    return hasattr(t, "device_mesh") and hasattr(t, "placements")
 
 
 def _packed_halves(f: MLPFamily) -> list[tuple[str, str]]:
