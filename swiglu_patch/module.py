@@ -63,7 +63,8 @@ class FusedGatedMLP(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wrapped = [m for name, _ in _packed_halves(self.family) if type(m := self._modules[name]) is not PackedProjection]
+        wrapped = [m for name, _ in _packed_halves(self.family)
+                   if type(m := self._modules[name]) is not PackedProjection]
         if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
             x_lr, b_lr = low_rank_operands(wrapped, x)
             if x_lr is not None:
