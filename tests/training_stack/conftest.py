@@ -1,4 +1,5 @@
-"""Training-stack tests import their shared pieces from tests/training_stack/training_common.py (`from training_common import ...`)."""
+"""Training-stack tests import their shared pieces from this folder (`from training_common import ...`,
+`from convergence import ...`)."""
 
 import sys
 from pathlib import Path

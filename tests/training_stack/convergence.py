@@ -96,10 +96,11 @@ def side_by_side(base, batches, lr: float, backend: str) -> tuple[list[float], l
     """(unpatched losses, patched losses) from two copies of `base` trained on the same batches."""
     from swiglu_patch import apply_fused_mlp
 
-    eager = train_losses(copy.deepcopy(base), batches, lr)
     patched = copy.deepcopy(base)
     apply_fused_mlp(patched, backend=backend)
-    return eager, train_losses(patched, batches, lr)
+    patched_losses = train_losses(patched, batches, lr)  # first: a backend that cannot train fails at once
+    del patched
+    return train_losses(copy.deepcopy(base), batches, lr), patched_losses
 
 
 def curves_agree(eager: list[float], patched: list[float], atol: float, rtol: float) -> tuple[bool, float, int]:
@@ -132,7 +133,8 @@ def plot(eager, patched, path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="folder for convergence.json and convergence.png (required unless --write-text)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--layers", type=int, default=4)

@@ -18,7 +18,8 @@ STEPS = 32
 
 
 @pytest.mark.parametrize("backend", train_backends())
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("family", ["llama"] + [pytest.param(f, marks=pytest.mark.slow)
+                                                 for f in ("qwen3", "gemma2", "phi3")])  # ~15 s each
 def test_tiny_model_losses_equal_unpatched(family, backend):
     text = CHAPTER.read_text(encoding="utf-8")  # ASCII: byte ids fit the tiny vocab of 128
     batches = byte_batches(text, STEPS, 4, 32)
