@@ -1,3 +1,3 @@
-"""Benchmarks of swiglu-patch: `python -m benchmarks.bench_mlp` (the gated GEMM against
-cuBLAS, HF eager, torch.compile and Liger) and `python -m benchmarks.bench_e2e` (prefill and
-decode tokens/s of a Llama-3-8B-shaped model, eager against patched). See README.md."""
+"""Benchmarks of swiglu-patch, each a command (`python -m benchmarks.<name>`): `bench_mlp`,
+`bench_e2e`, `bench_host`, `tune`, `summarize`; their shared code in `harness/`, frozen one-off
+experiments in `studies/`, results of record in `results/`. See README.md."""

@@ -5,12 +5,12 @@
     python -m benchmarks.bench_mlp --render a.json b.json --out DIR   # merge runs (e.g. bf16 + fp16)
     python -m benchmarks.bench_mlp --dry-run --out /tmp/x          # tiny shapes on CPU, seconds
 
-For each dtype, shape (`shapes.SHAPES`) and token count M, every way (`ways.py`) is first run
-once and checked against a float64 reference on a few rows (`accuracy.py`); a way above its
-dtype's error bound is marked failed and not timed. The others are timed together (`timing.py`:
-by default CUDA-graph replays after a read-only L2 flush, the ways interleaved in rounds;
-`--timer do_bench` for the previous method). The floor
-(`roofline.py`) uses peaks measured at the start of each dtype in the same run.
+For each dtype, shape (`harness/shapes.py`) and token count M, every way (`harness/ways.py`)
+is first run once and checked against a float64 reference on a few rows (`harness/accuracy.py`);
+a way above its dtype's error bound is marked failed and not timed. The others are timed
+together (`harness/timing.py`: by default CUDA-graph replays after a read-only L2 flush, the
+ways interleaved in rounds; `--timer do_bench` for triton's do_bench). The floor
+(`harness/roofline.py`) uses peaks measured at the start of each dtype in the same run.
 
 Writes OUT/results.json (after every shape, so a run cut short keeps what it measured),
 OUT/results.md and OUT/mlp_<dtype>.png, and prints a short table.
@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from .accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error
-from .env_info import environment
-from .report_mlp import GOALS, merge_results, render, summary_lines
-from .roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
-from .shapes import DRY_RUN_SHAPES, DRY_RUN_TOKENS, SHAPES, TOKENS, MLPShape, select_shapes
-from .timing import TIMERS, CpuTimer, gpu_timer
-from .ways import WAY_NAMES, CompiledEager, Operands, build, fast_liger_autotune, output_kind, unavailable
+from swiglu_patch.provenance import environment
+
+from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error
+from .harness.cli import Parser, UsageError, guarded, read_json, require_cuda, sanitize, write_json
+from .harness.report_mlp import GOALS, merge_results, render, summary_lines
+from .harness.roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
+from .harness.shapes import DRY_RUN_SHAPES, DRY_RUN_TOKENS, SHAPES, TOKENS, MLPShape, select_shapes
+from .harness.timing import TIMERS, CpuTimer, gpu_timer
+from .harness.ways import WAY_NAMES, CompiledEager, Operands, build, fast_liger_autotune, output_kind, unavailable
 
 DTYPES = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -42,6 +42,7 @@ DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
 }
 SCHEMA = 1
+PROG = "python -m benchmarks.bench_mlp"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -54,15 +55,15 @@ def _split(values: list[str] | None) -> list[str] | None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_mlp", description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/mlp; with --render: the JSON's folder)")
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, help="output folder (required to measure; with --render, default: the JSON's folder)")
     p.add_argument("--dtype", nargs="+", default=["bf16"], help=f"one or more of {', '.join(DTYPES)}")
-    p.add_argument("--shapes", nargs="+", help="shape names (default: all); see benchmarks/shapes.py")
+    p.add_argument("--shapes", nargs="+", help="shape names (default: all); see benchmarks/harness/shapes.py")
     p.add_argument("--ms", nargs="+", help="token counts M (default: 1, 2, 4, ..., 16384)")
     p.add_argument("--ways", nargs="+", help=f"subset of {', '.join(WAY_NAMES)} (default: all)")
     p.add_argument("--timer", default="graph", choices=TIMERS,
                    help="graph: CUDA-graph replay after a read-only L2 flush, ways interleaved (default); "
-                        "do_bench: triton's do_bench, zeroing flush, no graph (the method before 2026-11-22 14:00)")
+                        "do_bench: triton's do_bench, zeroing flush, no graph")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="untimed calls per way and row (ms of GPU time)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="timed calls per way and row (ms of GPU time)")
     p.add_argument("--rounds", type=int, default=4, help="graph timer: rounds the ways take turns in")
@@ -81,7 +82,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "JSON's folder); several are merged into one report and --out/results.json")
     args = p.parse_args(argv)
     args.dtype, args.shapes, args.ways = _split(args.dtype), _split(args.shapes), _split(args.ways)
-    args.ms = [int(m) for m in _split(args.ms)] if args.ms else None
+    try:
+        args.ms = [int(m) for m in _split(args.ms)] if args.ms else None
+    except ValueError:
+        p.error(f"--ms takes integer token counts, got {args.ms}")
+    if args.out is None and not args.render:
+        p.error("--out is required: the folder for results.json, results.md and the plots")
+    if args.shapes:
+        try:
+            select_shapes(args.shapes, DRY_RUN_SHAPES if args.dry_run else SHAPES)
+        except ValueError as e:
+            p.error(str(e))
     bad = [d for d in args.dtype if d not in DTYPES]
     if bad:
         p.error(f"unknown --dtype {', '.join(bad)}; known: {', '.join(DTYPES)}")
@@ -199,21 +210,7 @@ def run_shape(shape: MLPShape, dtype: torch.dtype, ms: list[int], way_list: list
 
 
 def _save(data: dict, out: Path) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    path.write_text(json.dumps(data, indent=1, allow_nan=False, default=lambda v: None))
-    return path
-
-
-def _sanitize(obj):
-    """Replace inf/nan (e.g. an error of inf) with None so the JSON stays standard."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_sanitize(v) for v in obj]
-    return obj
+    return write_json(data, out / "results.json")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -227,8 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         args.backend = args.backend or "torch"
         matmul_n, copy_bytes = 256, 8 << 20
     else:
-        if not torch.cuda.is_available():
-            raise SystemExit("bench_mlp: no CUDA device; run on the GPU, or use --dry-run (CPU) or --render")
+        require_cuda(PROG)
         device, timer = torch.device("cuda"), gpu_timer(args.timer, args.warmup_ms, args.rep_ms, args.rounds)
         shapes, ms = select_shapes(args.shapes), args.ms or list(TOKENS)
         way_list = args.ways or list(WAY_NAMES)
@@ -265,18 +261,26 @@ def run(args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             data["rows"] += run_shape(shape, dtype, ms, way_list, peaks, args, device, timer, deadline)
             data["wall_s"] = round(time.perf_counter() - t_start, 1)
-            _save(_sanitize(data), args.out)
+            _save(data, args.out)
             print(f"[bench_mlp] {dtype_name(dtype)} {shape.name}: {time.perf_counter() - t0:.1f} s "
                   f"(total {data['wall_s']:.0f} s)", flush=True)
-    return _sanitize(data)
+    return sanitize(data)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring); 2 on a bad argument, with one line on stderr."""
+    return guarded(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse_args(argv)
     if args.render:
         if len(args.render) > 1 and args.out is None:
-            raise SystemExit("bench_mlp: --render with several JSONs needs --out for the merged report")
-        data = merge_results([json.loads(p.read_text()) for p in args.render])
+            raise UsageError("--render with several JSONs needs --out for the merged report")
+        try:
+            data = merge_results([read_json(p) for p in args.render])
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         out = args.out or args.render[0].parent
         paths = render(data, out)
         if len(args.render) > 1:
@@ -284,7 +288,6 @@ def main(argv: list[str] | None = None) -> int:
         for path in paths:
             print(f"[bench_mlp] wrote {path}")
         return 0
-    args.out = args.out or Path("benchmarks/results/mlp")
     data = run(args)
     paths = [_save(data, args.out), *render(data, args.out)]
     print("\n".join(summary_lines(data)))

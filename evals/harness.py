@@ -13,6 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swiglu_patch.inputs import hub_endpoint, hub_offline, hub_reachable
+
+from .config import TaskOptions
 from .errors import EvalSetupError
 from .local_tasks import check_task_names, leaf_tasks, parse_local_data, render_overrides, task_manager
 from .pairing import pair_records, records_by_filter
@@ -73,13 +76,30 @@ def prepare_tasks(tasks: list[str], local_data: list[str] | dict | None, work_di
         include_path=include if rendered else None,
         local=rendered,
     )
+    from_hub = sorted({leaf for leaves in plan.leaves.values() for leaf in leaves if _reads_hub(tm, leaf)} - set(rendered))
+    if from_hub and not hub_offline() and not hub_reachable():
+        raise EvalSetupError(
+            f"tasks {', '.join(from_hub)} read their datasets from the Hugging Face hub ({hub_endpoint()}), which "
+            "does not answer. Point them at local files with --local-data TASK=PATH, or set HF_HUB_OFFLINE=1 "
+            "HF_DATASETS_OFFLINE=1 to use datasets already in the local cache."
+        )
     if preload:
         try:
             plan.task_manager().load(list(tasks))
         except Exception as err:  # datasets, hub and YAML errors come in many types
-            hint = " Offline? Point the task at local files with --local-data TASK=PATH." if not rendered else ""
-            raise EvalSetupError(f"lm-eval could not build {tasks}: {type(err).__name__}: {err}.{hint}") from err
+            hint = ""
+            if from_hub:
+                hint = (f" {', '.join(from_hub)} read the hub" + (" (HF_HUB_OFFLINE=1 is set)" if hub_offline() else "")
+                        + ": point them at local files with --local-data TASK=PATH.")
+            raise EvalSetupError(f"lm-eval could not build {', '.join(tasks)}: {type(err).__name__}: {err}.{hint}") from err
     return plan
+
+
+def _reads_hub(tm, leaf: str) -> bool:
+    """Whether lm-eval's own YAML of `leaf` reads a hub dataset (not a local builder or path)."""
+    entry = tm.task_index.get(leaf)
+    path = ((entry.cfg or {}) if entry is not None else {}).get("dataset_path")
+    return not (path in ("json", "csv", "parquet", "text", "arrow") or (path and Path(path).exists()))
 
 
 def _strip(results: dict) -> dict:
@@ -200,14 +220,9 @@ def compare_on_tasks(
     tokenizer,
     plan: TaskPlan,
     output_dir: Path,
+    options: TaskOptions,
     *,
     patcher: Patcher | None = None,
-    limit: int | float | None = None,
-    batch_size: int | str = 1,
-    num_fewshot: int | None = None,
-    seed: int = 0,
-    gen_kwargs: dict | str | None = None,
-    apply_chat_template: bool = False,
     alpha: float = 0.05,
     power: float = 0.8,
 ) -> dict:
@@ -221,18 +236,15 @@ def compare_on_tasks(
         tokenizer: its tokenizer.
         plan: from `prepare_tasks`.
         output_dir: per-sample JSONL (``samples/``) and lm-eval's raw results go here.
+        options: limit, batch size, few-shot count, seed, generation arguments and chat
+            template, the same for both runs (`TaskOptions`; its names and local_data are
+            already in `plan`).
         patcher: how to make the fused model (default `Patcher()`: apply_fused_mlp, backend auto).
-        limit: lm-eval's limit (questions per task, or a fraction).
-        batch_size: lm-eval batch size (int or "auto").
-        num_fewshot: override every task's few-shot count (None: each task's own).
-        seed: python, numpy, torch and few-shot seed, the same for both runs.
-        gen_kwargs: generation overrides for generative tasks (e.g. "max_gen_toks=256").
-        apply_chat_template: lm-eval's flag.
         alpha: significance level of the paired tests.
         power: power for minimum detectable differences.
 
     Returns:
-        {"rows": [...], "runs": {"eager": {...}, "fused": {...}}, "patch_report": str}.
+        {"rows": [...], "runs": {"eager": {...}, "fused": {...}}, "patch_report": str, "fused_path": str}.
     """
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -240,11 +252,12 @@ def compare_on_tasks(
     patcher = patcher or Patcher()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    o, seed = options, options.seed
+    hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=o.batch_size)
     kwargs = dict(
-        tasks=plan.tasks, num_fewshot=num_fewshot, batch_size=batch_size, limit=limit, log_samples=True,
+        tasks=plan.tasks, num_fewshot=o.num_fewshot, batch_size=o.batch_size, limit=o.limit, log_samples=True,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-        gen_kwargs=gen_kwargs, apply_chat_template=apply_chat_template,
+        gen_kwargs=o.gen_kwargs, apply_chat_template=o.apply_chat_template,
     )
     runs, results = {}, {}
     for side in ("eager", "fused"):

@@ -113,7 +113,8 @@ def _lm_eval_tasks():
         import lm_eval.tasks
     except ImportError as err:
         raise ImportError(
-            f"lm-eval tasks need lm-eval ({err}): pip install 'swiglu-patch[eval]' (or lm_eval>=0.4.8); "
+            f"lm-eval tasks need lm-eval ({err}): pip install 'lm_eval>=0.4.8' (or, in the swiglu-patch "
+            "checkout, pip install -e '.[eval]'); "
             "the token-level check (--text) works without it"
         ) from err
     return lm_eval.tasks

@@ -103,19 +103,41 @@ def _fmt(x, spec: str = ".4f") -> str:
     return format(x, spec)
 
 
+def _machine(env: dict) -> str:
+    """The GPU (or CPU) and host of a `swiglu_patch.provenance.environment` record, in words."""
+    host = env.get("host", {})
+    cpu = f"{host.get('cpu')}, {host.get('cpus')} CPUs"
+    gpu = env.get("gpu", {})
+    return cpu if gpu.get("name", "cpu") == "cpu" else f"{gpu['name']} (CUDA {gpu.get('cuda_runtime')}); host {cpu}"
+
+
+def _settings(config: dict) -> str:
+    """The config's groups as ``group: key=value, ...`` parts (None values left out)."""
+    parts = []
+    for group, values in config.items():
+        if isinstance(values, dict):
+            kv = ", ".join(f"{k}={v}" for k, v in values.items() if v is not None)
+            parts.append(f"{group}: {kv}")
+        elif values is None:
+            parts.append(f"{group}: none")
+    return "; ".join(parts)
+
+
 def to_markdown(report: dict) -> str:
     """Render the report dict as markdown: setup, verdicts, score table, paired table, tokens."""
-    s, env = report["settings"], report["environment"]
+    env = report["environment"]
+    v, git = env.get("versions", {}), env.get("git", {})
+    dirty = " (dirty)" if git.get("dirty") else ""
     lines = [
         f"# Eager vs fused MLP: {report['model']['name']}",
         "",
         f"- model: `{report['model']['name']}` ({report['model'].get('class')}, {report['model'].get('model_type')}, "
         f"{report['model'].get('dtype')} on {report['model'].get('device')})",
         f"- fused path: {report.get('fused_path')}",
-        f"- machine: {env.get('machine')}; python {env.get('python')}, torch {env.get('torch')}, "
-        f"transformers {env.get('transformers')}, lm_eval {env.get('lm_eval')}, triton {env.get('triton')}",
-        f"- swiglu-patch commit: `{env.get('commit')}` (code sha256 `{env.get('code_sha256', '')[:16]}`)",
-        f"- settings: " + ", ".join(f"{k}={v}" for k, v in s.items() if k not in ("local_data",)),
+        f"- machine: {_machine(env)}; python {v.get('python')}, torch {v.get('torch')}, "
+        f"transformers {v.get('transformers')}, lm_eval {v.get('lm_eval')}, triton {v.get('triton')}",
+        f"- swiglu-patch commit: `{git.get('commit')}`{dirty} (code sha256 `{env.get('code_sha256', '')[:16]}`)",
+        f"- settings: {_settings(report['config'])}",
     ]
     for leaf, info in (report.get("local_data") or {}).items():
         lines.append(f"- {leaf}: local {info['schema']} files {info['files']} (rows {info['rows']})")

@@ -26,6 +26,9 @@ import math
 import time
 
 import torch
+from tqdm.auto import tqdm
+
+from swiglu_patch.inputs import SourceError, check_source, hub_offline
 
 from .errors import EvalSetupError
 from .patching import Patcher
@@ -154,8 +157,12 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype | dict) -> dict:
     return old
 
 
-def _forward(model, ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    return [model(input_ids=ids[b : b + batch_size]).logits for b in range(0, ids.shape[0], batch_size)]
+def _forward(model, ids: torch.Tensor, batch_size: int, bar) -> list[torch.Tensor]:
+    out = []
+    for b in range(0, ids.shape[0], batch_size):
+        out.append(model(input_ids=ids[b : b + batch_size]).logits)
+        bar.update(out[-1].shape[0])
+    return out
 
 
 @torch.inference_mode()
@@ -168,6 +175,7 @@ def compare_tokens(
     reference_dtype: torch.dtype | None = None,
     max_stored_bytes: int | None = None,
     chunk_positions: int | None = None,
+    progress: bool = True,
 ) -> dict:
     """Per-token agreement of `model` unpatched vs patched on the given windows.
 
@@ -186,6 +194,8 @@ def compare_tokens(
             (default: 1 GiB on CPU, min(8 GiB, 25% of free) on CUDA).
         chunk_positions: positions compared at a time (bounds fp32 temporaries to about
             6 x chunk x V x 4 bytes); default 2^25 / V, at least 1.
+        progress: a tqdm bar on stderr counting windows through each run (eager, reference,
+            fused).
 
     Returns:
         The fused-vs-eager statistics (module docstring) plus window, windows, seconds,
@@ -204,15 +214,19 @@ def compare_tokens(
     chunk = chunk_positions or max(1, 2**25 // vocab)
     main, ref_e, ref_f = _Accumulator(device), _Accumulator(device), _Accumulator(device)
     path = patcher.path(model)
+    ref_name = str(reference_dtype).replace("torch.", "")
+    runs = f"eager, {ref_name} reference, fused" if reference_dtype is not None else "eager, fused"
+    bar = tqdm(total=n_win * (3 if reference_dtype is not None else 2), unit="window", disable=not progress,
+               desc=f"token-level ({runs})", dynamic_ncols=True)
     t0 = time.perf_counter()
     for g in range(0, n_win, group):
         ids = windows[g : g + group]
-        eager = _forward(model, ids, batch_size)
+        eager = _forward(model, ids, batch_size, bar)
         ref = None
         if reference_dtype is not None:
             old = _cast_floating(model, reference_dtype)
             try:
-                ref = _forward(model, ids, batch_size)
+                ref = _forward(model, ids, batch_size, bar)
             finally:
                 _cast_floating(model, old)
         patcher.apply(model)
@@ -220,6 +234,7 @@ def compare_tokens(
             for k, b in enumerate(range(0, ids.shape[0], batch_size)):
                 batch = ids[b : b + batch_size]
                 fused = model(input_ids=batch).logits.reshape(-1, vocab)
+                bar.update(batch.shape[0])
                 e = eager[k].reshape(-1, vocab)
                 t = torch.cat([batch[:, 1:], torch.full_like(batch[:, :1], -1)], dim=1).reshape(-1)
                 r = ref[k].reshape(-1, vocab) if ref is not None else None
@@ -237,6 +252,7 @@ def compare_tokens(
             patcher.restore(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    bar.close()
     seconds = time.perf_counter() - t0
     out = main.result("eager", "fused")
     out["reference"] = None
@@ -287,11 +303,16 @@ def load_text(path: str | None = None, dataset: str | None = None, split: str = 
                 raise EvalSetupError(f"--text-dataset {dataset}: unsupported file type; use {', '.join(builders)}")
             ds = datasets.load_dataset(builders[p.suffix.lower()], data_files={split: str(p)}, split=split)
         else:
+            check_source(dataset, option="--text-dataset", what="dataset", repo_type="dataset", cache_file=None)
             ds = datasets.load_dataset(dataset, dataset_config, split=split)
     except EvalSetupError:
         raise
+    except SourceError as err:
+        raise EvalSetupError(str(err)) from None
     except Exception as err:  # hub, offline and parsing errors come in many types
-        raise EvalSetupError(f"--text-dataset {dataset}: cannot load split {split!r}: {type(err).__name__}: {err}") from err
+        hint = (" HF_HUB_OFFLINE=1 is set and the dataset is not in the local cache: give a local "
+                ".jsonl/.csv/.parquet/.txt file instead.") if hub_offline() and not p.is_file() else ""
+        raise EvalSetupError(f"--text-dataset {dataset}: cannot load split {split!r}: {type(err).__name__}: {err}.{hint}") from err
     if column not in ds.column_names:
         raise EvalSetupError(f"--text-dataset {dataset}: no column {column!r}; columns are {ds.column_names} (use --text-column)")
     return "\n\n".join(str(x) for x in ds[column] if x)

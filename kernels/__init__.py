@@ -7,7 +7,8 @@ Modules, leaves first (each imports only modules above it in this list):
 - `configs`: `GatedGemmConfig`, `m_bucket`; `device`: device facts; `jit_common`: shared Triton code;
   `launcher`: `FastLaunch`, a compiled kernel's launch without Triton's per-call binding;
 - one kernel and its launcher per file: `gated_gemm_pointer`, `gated_gemm_tma`,
-  `gated_gemm_tma_grid`, `gated_gemv`;
+  `gated_gemm_tma_grid`, `gated_gemv` (forward), `gated_backward_pointer`, `gated_backward_tma`
+  (training: dY @ W_down with the gated derivative in the epilogue);
 - `rules`: which kernel runs which call, as a table; `dispatch`: `gated_gemm`, the one entry
   point, and `explain`.
 

@@ -60,3 +60,8 @@ class GatedGemmConfig:
 def m_bucket(m: int) -> int:
     """The power of two >= m, capped at 8192: launch choices are made per bucket, not per M."""
     return min(1 << max(m - 1, 0).bit_length(), 8192)
+
+
+def ceil_div(a: int, b: int) -> int:
+    """ceil(a / b) for ints (triton.cdiv is a jit function: slow to call from the host's hot path)."""
+    return -(-a // b)

@@ -10,23 +10,28 @@ argument checks, one dictionary lookup and the launch. Every rule bound on M is 
 edge (`configs.m_bucket`: powers of two, and one past them), which a test checks, so one
 entry per bucket is exact.
 
-`explain(...)` says which rule a call takes and why each earlier rule did not match; run
-``python -m swiglu_patch.kernels.dispatch --help`` for the command line.
+`explain(...)` says which rule a call takes and why each earlier rule did not match
+(`swiglu-patch explain` on the command line).
+
+Training (the section at the end): `gated_gemm_with_preact` also stores the pre-activation
+for the backward (the pointer and TMA kernels' STORE_PREACT), and `gated_backward` runs the
+backward GEMM dY @ Wd with the gated derivative in its epilogue, chosen from
+`rules.BACKWARD_RULES` the same way; `explain_backward` says which rule.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 
 import torch
 
-from . import gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv
+from . import (
+    gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv,
+)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
-from .rules import DEFAULT_CONFIGS, KERNELS, RULES, Rule
+from .rules import BACKWARD_RULES, DEFAULT_CONFIGS, KERNELS, PREACT_KERNELS, RULES, Rule
 
 _MODULES = {"gemv": gated_gemv, "pointer": gated_gemm_pointer, "grid": gated_gemm_tma_grid, "tma": gated_gemm_tma}
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -283,42 +288,228 @@ def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool
     raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
 
 
-_DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-                "fp32": torch.float32, "float32": torch.float32}
+# ===================================================================================== #
+# Training: the forward that keeps the pre-activation, and the backward GEMM.            #
+# ===================================================================================== #
+
+_BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma": gated_backward_tma}
+# (CallKey, has_bias, epilogue, approx_tanh, tf32) -> ((can_run, launcher), ...): STORE_PREACT plans.
+_PREACT_PLANS: dict[tuple, tuple] = {}
+# (CallKey, epilogue, approx_tanh, tf32) -> ((can_run, launcher), ...): backward plans.
+_BACKWARD_PLANS: dict[tuple, tuple] = {}
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _resolve_approx_tanh(fn: str, t: torch.Tensor, approx_tanh: bool | None) -> bool:
+    if approx_tanh is None:
+        return default_approx_tanh(t)
+    if approx_tanh and interpreting():
+        raise ValueError(f"{fn}: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which Triton's "
+                         "CPU interpreter cannot run; pass approx_tanh=None or False")
+    return approx_tanh
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `explain`'s command line."""
-    parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="CUDA device name (default: an H100); 'cpu'")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPE_NAMES))
-    parser.add_argument("--m", type=_positive, required=True, help="tokens in the call")
-    parser.add_argument("--k", type=_positive, required=True, help="hidden size")
-    parser.add_argument("--i", type=_positive, required=True, help="intermediate size")
-    parser.add_argument("--captured", action="store_true", help="the call is captured into a CUDA graph")
-    parser.add_argument("--unaligned", action="store_true", help="x, weight or out is not TMA-aligned")
+def _check_out(fn: str, name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
+    if tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{fn}: {name} must be {list(shape)} ({like.dtype} on {like.device}), got "
+                         f"{list(t.shape)} ({t.dtype} on {t.device})")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Print `explain` for the parsed arguments."""
-    print(explain(args.gpu, _DTYPE_NAMES[args.dtype], args.m, args.k, args.i, args.captured,
-                  tma_aligned=not args.unaligned))
-    return 0
+def gated_gemm_with_preact(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
+    approx_tanh: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_gemm` that also stores the pre-activation P = x @ W^T + b, for the backward.
+
+    Args:
+        x, weight, epilogue, bias, out, approx_tanh: as `gated_gemm`.
+        preact_out: optional [M, 2*I] tensor (x's dtype and device, any strides) for P, in the
+            packed weight's interleaved column order; allocated if None.
+        config: a launch config for `kernel` (None: the rule's, or the bucket's pointer rule).
+        kernel: "auto" (the first rule of `rules.RULES` whose kernel has a STORE_PREACT path,
+            "pointer" or "tma", and can run the call), or one of those two.
+
+    Returns:
+        (out [M, I], preact [M, 2*I]), x's dtype; P rounded once, before scales and clamps.
+
+    Raises:
+        ValueError, TypeError: operands the kernels cannot take.
+    """
+    fn = "gated_gemm_with_preact"
+    check_operands(fn, x, weight, bias)
+    epilogue = GatedEpilogue.of(epilogue)
+    m, n = x.shape[0], weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n // 2), dtype=x.dtype, device=x.device)
+    _check_out(fn, "out", out, (m, n // 2), x)
+    if preact_out is None:
+        preact_out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _check_out(fn, "preact_out", preact_out, (m, n), x)
+    if m == 0:
+        return out, preact_out
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    approx_tanh = _resolve_approx_tanh(fn, x, approx_tanh)
+    if kernel == "auto" and config is None:
+        captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = _call_key(x, n // 2, captured)
+        tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+        cache_key = (key, bias is not None, epilogue, approx_tanh, tf32)
+        plan = _PREACT_PLANS.get(cache_key)
+        if plan is None:
+            epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
+            plan = _PREACT_PLANS[cache_key] = tuple(
+                (_MODULES[r.kernel].can_run, _MODULES[r.kernel].make_launcher(
+                    _fit_dtype(r.config, key.dtype), epi, bias is not None, key.dtype, True))
+                for _, r in candidates(key) if r.kernel in PREACT_KERNELS)
+        for can_run, launch in plan:
+            if can_run(x, weight, out, preact_out):
+                launch(x, weight, bias, out, preact_out)
+                return out, preact_out
+        raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
+    if kernel not in PREACT_KERNELS:
+        raise ValueError(f"{fn}: kernel must be 'auto' or one of {PREACT_KERNELS} (the kernels that store the "
+                         f"pre-activation), got {kernel!r}")
+    module = _MODULES[kernel]
+    if not module.can_run(x, weight, out, preact_out):
+        raise ValueError(f"{fn}: kernel='tma' needs bf16/fp16 tensors with unit inner strides, 16-byte-aligned "
+                         f"rows and I % 16 == 0; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}; "
+                         "use kernel='auto'")
+    if config is None:
+        m_rule = max(m, 65) if kernel == "tma" else m
+        key = dataclasses.replace(_call_key(x, n // 2, False, m_rule), capability=(9, 0), gpu="")
+        config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
+    config = _fit_dtype(config, x.dtype)
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
+    module.make_launcher(config, epi, bias is not None, x.dtype, True)(x, weight, bias, out, preact_out)
+    return out, preact_out
 
 
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(
-        prog="python -m swiglu_patch.kernels.dispatch",
-        description="Say which gated GEMM kernel and config a call runs, and why.",
-        epilog="example: python -m swiglu_patch.kernels.dispatch --m 16 --k 4096 --i 14336 --captured")
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+def check_backward_operands(fn: str, dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor) -> None:
+    """Raise an error naming the problem and the fix for backward operands the kernels cannot take."""
+    if down_weight.dim() != 2:
+        raise ValueError(f"{fn}: the down weight must be [K, I], got shape {tuple(down_weight.shape)}")
+    k, i = down_weight.shape
+    if dy.dim() != 2 or dy.shape[1] != k:
+        raise ValueError(f"{fn}: dy must be [M, {k}] (the down weight's K), got shape {tuple(dy.shape)}")
+    if preact.dim() != 2 or tuple(preact.shape) != (dy.shape[0], 2 * i):
+        raise ValueError(f"{fn}: preact must be [M, 2*I] = [{dy.shape[0]}, {2 * i}], got shape {tuple(preact.shape)}")
+    if dy.dtype not in _DTYPES:
+        raise TypeError(f"{fn}: the Triton kernels take bfloat16, float16 or float32, got {dy.dtype}")
+    for name, t in (("down weight", down_weight), ("preact", preact)):
+        if t.dtype != dy.dtype or t.device != dy.device:
+            raise TypeError(f"{fn}: the {name} must match dy's dtype and device ({dy.dtype} on {dy.device}), got "
+                            f"{t.dtype} on {t.device}; cast one with .to()")
+    if dy.dtype == torch.bfloat16 and not dy.is_cuda and interpreting():
+        raise TypeError(f"{fn}: Triton's CPU interpreter computes bfloat16 matrix products wrongly; run bf16 on "
+                        "the GPU or use float16/float32 with TRITON_INTERPRET=1")
+
+
+def gated_backward(
+    dy: torch.Tensor,
+    down_weight: torch.Tensor,
+    preact: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+    dpreact_out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
+    approx_tanh: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated MLP's backward GEMM: dH = dY @ Wd with the epilogue's derivative fused in.
+
+    For y = epilogue(P) @ Wd^T (+ bd), P = x @ W^T + b the interleaved pre-activation:
+    dP = (dH * dh/dgate, dH * dh/dup) interleaved as P, and h = epilogue(P) (what dWd = dY^T @ h
+    needs); dH stays in registers (`gated_backward_pointer.py` has the layout and rounding).
+
+    Args:
+        dy: [M, K] gradient of the MLP's output, any strides; bf16/fp16/fp32 (bf16 only on the GPU).
+        down_weight: Wd, [K, I] (nn.Linear's [out, in]), dy's dtype and device, any strides.
+        preact: P, [M, 2*I], dy's dtype, any strides (as `gated_gemm_with_preact` stores it).
+        epilogue: the forward's `GatedEpilogue` (or activation name).
+        dpreact_out: where dP goes, [M, 2*I]; may be `preact` itself (in place: saves M * 2*I
+            elements); None allocates it.
+        h_out: where h goes, [M, I]; None allocates it.
+        config, kernel: a launch config and the kernel it is for ("auto", or one of
+            `rules.BACKWARD_KERNELS`: "backward_pointer", "backward_tma").
+        approx_tanh: silu and gelu_tanh through `tanh.approx.f32`; None: `default_approx_tanh`.
+
+    Returns:
+        (dpreact [M, 2*I], h [M, I]) in dy's dtype.
+
+    Raises:
+        ValueError, TypeError: operands the kernels cannot take (the message names the fix).
+    """
+    fn = "gated_backward"
+    check_backward_operands(fn, dy, down_weight, preact)
+    epilogue = GatedEpilogue.of(epilogue)
+    m, i = dy.shape[0], down_weight.shape[1]
+    if dpreact_out is None:
+        dpreact_out = torch.empty_like(preact, memory_format=torch.contiguous_format)
+    _check_out(fn, "dpreact_out", dpreact_out, (m, 2 * i), dy)
+    if h_out is None:
+        h_out = torch.empty((m, i), dtype=dy.dtype, device=dy.device)
+    _check_out(fn, "h_out", h_out, (m, i), dy)
+    if m == 0:
+        return dpreact_out, h_out
+    approx_tanh = _resolve_approx_tanh(fn, dy, approx_tanh)
+    args = (dy, down_weight, preact, dpreact_out, h_out)
+    if kernel == "auto" and config is None:
+        captured = dy.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = _call_key(dy, i, captured)
+        tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+        cache_key = (key, epilogue, approx_tanh, tf32)
+        plan = _BACKWARD_PLANS.get(cache_key)
+        if plan is None:
+            epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
+            plan = _BACKWARD_PLANS[cache_key] = tuple(
+                (_BACKWARD_MODULES[r.kernel].can_run, _BACKWARD_MODULES[r.kernel].make_launcher(
+                    _fit_dtype(r.config, key.dtype), epi, key.dtype))
+                for r in BACKWARD_RULES if mismatch(r, key) is None)
+        for can_run, launch in plan:
+            if can_run(*args):
+                gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
+                launch(*args)
+                return dpreact_out, h_out
+        raise AssertionError("rules.BACKWARD_RULES ends with pointer rules that match every call")  # unreachable
+    if kernel not in _BACKWARD_MODULES:
+        raise ValueError(f"{fn}: kernel must be 'auto' or one of {tuple(_BACKWARD_MODULES)}, got {kernel!r}")
+    module = _BACKWARD_MODULES[kernel]
+    if not module.can_run(*args):
+        raise ValueError(f"{fn}: kernel={kernel!r} needs bf16/fp16 tensors with unit inner strides, 16-byte-aligned "
+                         f"rows and I % 16 == 0; got dy {tuple(dy.shape)} {dy.dtype}, I = {i}; use kernel='auto'")
+    if config is None:
+        key = dataclasses.replace(_call_key(dy, i, False, max(m, 129)), capability=(9, 0), gpu="")
+        config = next(r.config for r in BACKWARD_RULES if r.kernel == kernel and mismatch(r, key) is None)
+    config = _fit_dtype(config, dy.dtype)
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
+    gated_gemm_tma.ensure_allocator()
+    module.make_launcher(config, epi, dy.dtype)(*args)
+    return dpreact_out, h_out
+
+
+def explain_backward(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
+                     capability_: tuple[int, int] | None = None, tma_aligned: bool = True) -> str:
+    """Which rule of `rules.BACKWARD_RULES` a backward call takes and why every earlier rule did not."""
+    cap = capability_ or _known_capability(gpu)
+    key = CallKey(gpu, cap, dtype, m_bucket(m), k, i, captured)
+    lines = [f"backward call: {gpu}, capability {cap}, {str(dtype).replace('torch.', '')}, M={m}, K={k}, I={i}"]
+    for n, rule in enumerate(BACKWARD_RULES):
+        why_not = mismatch(rule, key)
+        runs = rule.kernel != "backward_tma" or (dtype in (torch.bfloat16, torch.float16) and i % 16 == 0
+                                                 and tma_aligned)
+        if why_not is None and not runs:
+            why_not = f"matches, but the {rule.kernel} kernel cannot run these tensors"
+        if why_not is not None:
+            lines.append(f"  rule {n:2d} {rule.kernel:16s} skipped: {why_not}")
+            continue
+        lines.append(f"  rule {n:2d} {rule.kernel:16s} CHOSEN: {_fit_dtype(rule.config, dtype).short()}")
+        lines.append(f"  why: {rule.why}")
+        return "\n".join(lines)
+    raise AssertionError("rules.BACKWARD_RULES ends with pointer rules that match every call")  # unreachable

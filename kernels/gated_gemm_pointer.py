@@ -12,7 +12,11 @@ BLOCK_SIZE_N gate rows and the BLOCK_SIZE_N matching up rows of the packed weigh
 indices computed from the layout, so any I works, block-aligned or not), runs two fp32
 accumulators over K, adds the bias in fp32, applies the epilogue (`jit_common.gated_epilogue`)
 in fp32 and rounds once to x's dtype on the single store of [M, I]. The [M, 2*I]
-pre-activation never reaches memory.
+pre-activation never reaches memory, unless STORE_PREACT asks for it (training's store mode):
+then P = x @ W^T + b, in the packed columns' interleaved order ([M, 2*I], gate column i at
+2*16*(i // 16) + i % 16 as for the weight's rows), is rounded once to x's dtype and stored
+too, before gate_scale or any clamp. With STORE_PREACT off the kernel is the inference kernel
+(the branch is on a constexpr; the P pointer and strides go unused).
 
 dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 dots use
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so. The bias is read with
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig
+from .configs import GatedGemmConfig, ceil_div
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -33,12 +37,14 @@ from .layout import GATE_UP_BLOCK
 
 @triton.jit
 def _gated_gemm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, p_ptr,
     M, I, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_om, stride_oi,
+    stride_pm, stride_pn,
     HAS_BIAS: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -85,36 +91,48 @@ def _gated_gemm_fwd_kernel(
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(b_ptr + up_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
+    if STORE_PREACT:  # P [M, 2*I], interleaved: the backward's input
+        p_rows = p_ptr + offs_m[:, None] * stride_pm
+        p_mask = mask_m[:, None] & mask_i[None, :]
+        tl.store(p_rows + gate_rows[None, :] * stride_pn, acc_gate.to(p_ptr.dtype.element_ty), mask=p_mask)
+        tl.store(p_rows + up_rows[None, :] * stride_pn, acc_up.to(p_ptr.dtype.element_ty), mask=p_mask)
     h = gated_epilogue(acc_gate, acc_up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None) -> bool:
     """Every call the dispatcher makes: any device Triton runs on, any strides, any I."""
     return True
 
 
-def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
-    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I]) -> out` for
-    one (config, epilogue, bias, dtype); epilogue: `GatedEpilogue.constexprs()` plus APPROX_TANH.
-    Arguments are checked by the caller (`dispatch.gated_gemm`)."""
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
+                  store_preact: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I], preact) -> out`
+    for one (config, epilogue, bias, dtype, store_preact); epilogue: `GatedEpilogue.constexprs()` plus
+    APPROX_TANH. With store_preact it also writes preact [M, 2*I] (x's dtype, any strides), which
+    must be given; without, preact is None. Arguments are checked by the caller (`dispatch`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
-        HAS_BIAS=has_bias, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     ))
     bm, bn = config.block_m, config.block_n
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               preact: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
         i = weight.shape[0] >> 1
-        kernel(triton.cdiv(m, bm) * triton.cdiv(i, bn), x.device.index or 0,
-               x, weight, weight if bias is None else bias, out, m, i, k,
-               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1))
+        p = out if preact is None else preact  # not read unless STORE_PREACT
+        if store_preact and preact is None:
+            raise ValueError("gated_gemm_pointer: a STORE_PREACT launcher needs preact")
+        kernel(ceil_div(m, bm) * ceil_div(i, bn), x.device.index or 0,
+               x, weight, weight if bias is None else bias, out, p, m, i, k,
+               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+               p.stride(0), p.stride(1))
         return out
 
     return launch

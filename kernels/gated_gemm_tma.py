@@ -20,6 +20,13 @@ rounding), organised for large M:
   of narrower tiles, each about 1/S of a whole tile's time. Their weight box is
   [2 * BLOCK_SIZE_N / S, BLOCK_SIZE_K]: still whole 16-row gate/up blocks.
 
+With STORE_PREACT (training's store mode) the epilogue also stores the tile's pre-activation,
+bias added, rounded once to x's dtype, into P [M, 2*I]: the accumulator's columns are
+interleaved as the packed rows are, so P comes out in the layout the backward reads. It goes
+out as two [BLOCK_SIZE_M, BLOCK_SIZE_N] TMA boxes, which reuse the output's staging shared
+memory (one [BM, 2*BN] box would not fit beside a 4-stage 128x(2*128)x64 pipeline). Off, the
+branch and the P descriptor are compiled out.
+
 TMA zero-fills out-of-bounds reads and clips out-of-bounds writes, so any M and K work; it
 needs 16-bit dtypes, I % 16 == 0 (whole blocks; every real model), unit inner strides and
 16-byte-aligned row strides and base pointers (`can_run`).
@@ -32,8 +39,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import GatedGemmConfig
-from .device import num_sms, tma_operands_ok
+from .configs import GatedGemmConfig, ceil_div
+from .device import num_sms, tma_aligned, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -56,14 +63,20 @@ def _k_loop(x_desc, w_desc, offs_m, offs_w, k_tiles,
 
 
 @triton.jit
-def _store_tile(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
-                HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+def _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I,
+                HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
+                ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
                 GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
                 GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
-    """Bias, split gate/up in registers, the gated epilogue in fp32, one rounding, one TMA store."""
+    """Bias, split gate/up in registers, the gated epilogue in fp32, one rounding, one TMA store
+    (with STORE_PREACT first the pre-activation, as two [BM, BN] boxes: columns as the packed rows)."""
     if HAS_BIAS:
         offs_b = offs_w + tl.arange(0, 2 * BLOCK_SIZE_N)
         acc += tl.load(b_ptr + offs_b, mask=offs_b < 2 * I, other=0.0).to(tl.float32)[None, :]
+    if STORE_PREACT:
+        p_lo, p_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N)), (0, 2, 1)))
+        p_desc.store([offs_m, offs_w], p_lo.to(p_desc.dtype))  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
+        p_desc.store([offs_m, offs_w + BLOCK_SIZE_N], p_hi.to(p_desc.dtype))
     acc = tl.reshape(acc, (BLOCK_SIZE_M, 2 * BLOCK_SIZE_N // (2 * GATE_UP_BLOCK), 2, GATE_UP_BLOCK))
     acc = tl.permute(acc, (0, 1, 3, 2))
     gate, up = tl.split(tl.reshape(acc, (BLOCK_SIZE_M, BLOCK_SIZE_N, 2)))  # [BLOCK_SIZE_M, BLOCK_SIZE_N] each
@@ -73,8 +86,9 @@ def _store_tile(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I,
 
 @triton.jit
 def _gated_gemm_tma_kernel(
-    x_ptr, w_ptr, out_ptr, b_ptr, M, I, K, dp_tiles, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, b_ptr, p_ptr, M, I, K, dp_tiles, stride_xm, stride_wn, stride_om, stride_pm,
     HAS_BIAS: tl.constexpr,
+    STORE_PREACT: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
@@ -91,6 +105,10 @@ def _gated_gemm_tma_kernel(
     x_desc = tl.make_tensor_descriptor(x_ptr, [M, K], [stride_xm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1], [2 * BLOCK_SIZE_N, BLOCK_SIZE_K])
     out_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
+    if STORE_PREACT:
+        p_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
+    else:
+        p_desc = out_desc  # never stored through
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
@@ -104,7 +122,8 @@ def _gated_gemm_tma_kernel(
         offs_m = pid_m * BLOCK_SIZE_M
         offs_w = pid_n * 2 * BLOCK_SIZE_N  # first packed row of this tile's blocks
         acc = _k_loop(x_desc, w_desc, offs_m, offs_w, k_tiles, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
-        _store_tile(acc, out_desc, b_ptr, offs_m, offs_w, pid_n, I, HAS_BIAS, ACTIVATION, APPROX_TANH,
+        _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I, HAS_BIAS, STORE_PREACT,
+                    ACTIVATION, APPROX_TANH,
                     GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
 
     # -- split tail: the tiles after the whole ones, each as TAIL_SPLIT narrower tiles --
@@ -112,13 +131,18 @@ def _gated_gemm_tma_kernel(
         SUB_N: tl.constexpr = BLOCK_SIZE_N // TAIL_SPLIT
         w_tail_desc = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [stride_wn, 1], [2 * SUB_N, BLOCK_SIZE_K])
         out_tail_desc = tl.make_tensor_descriptor(out_ptr, [M, I], [stride_om, 1], [BLOCK_SIZE_M, SUB_N])
+        if STORE_PREACT:
+            p_tail_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, SUB_N])
+        else:
+            p_tail_desc = out_tail_desc
         for sub_id in tl.range(start_pid, (num_tiles - dp_tiles) * TAIL_SPLIT, NUM_PROGRAMS):
             pid_m, pid_n = tile_pid(dp_tiles + sub_id // TAIL_SPLIT, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
             sub_n = pid_n * TAIL_SPLIT + sub_id % TAIL_SPLIT  # in units of SUB_N output columns
             offs_m = pid_m * BLOCK_SIZE_M
             offs_w = sub_n * 2 * SUB_N
             acc = _k_loop(x_desc, w_tail_desc, offs_m, offs_w, k_tiles, BLOCK_SIZE_M, SUB_N, BLOCK_SIZE_K)
-            _store_tile(acc, out_tail_desc, b_ptr, offs_m, offs_w, sub_n, I, HAS_BIAS, ACTIVATION, APPROX_TANH,
+            _store_tile(acc, out_tail_desc, p_tail_desc, b_ptr, offs_m, offs_w, sub_n, I, HAS_BIAS, STORE_PREACT,
+                        ACTIVATION, APPROX_TANH,
                         GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, SUB_N)
 
 
@@ -134,16 +158,16 @@ def ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`)."""
-    return tma_operands_ok(x, weight, out)
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None) -> bool:
+    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`), preact too."""
+    return tma_operands_ok(x, weight, out) and (preact is None or tma_aligned(preact))
 
 
 def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[int, int]:
     """(whole tiles, S): the T tiles of a last partial wave run as S narrower tiles each, for the
     largest S in (4, 2) with S * T <= programs and block_n / S >= SPLIT_TAIL_MIN_N, where
     `config.split_tail` asks for it; S = 1 runs every tile whole."""
-    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(i, config.block_n)
+    tiles = ceil_div(m, config.block_m) * ceil_div(i, config.block_n)
     tail = tiles % programs
     if config.split_tail and tail:
         for s in (4, 2):
@@ -152,16 +176,22 @@ def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[
     return tiles, 1
 
 
-def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
-    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I]) -> out` running
-    `config.programs_per_sm` persistent programs per SM; the tensors passed `can_run`."""
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
+                  store_preact: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I], preact) -> out` running
+    `config.programs_per_sm` persistent programs per SM; the tensors passed `can_run`. With
+    store_preact it also writes preact [M, 2*I] (must be given); without, preact is None."""
     fixed = dict(
-        HAS_BIAS=has_bias, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kernels: dict[tuple[int, int], FastLaunch] = {}  # (programs, tail split) -> launcher
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               preact: torch.Tensor | None = None) -> torch.Tensor:
+        if store_preact and preact is None:
+            raise ValueError("gated_gemm_tma: a STORE_PREACT launcher needs preact")
+        p = out if preact is None else preact  # not read unless STORE_PREACT
         m, k = x.shape
         i = weight.shape[0] >> 1
         index = x.device.index or 0
@@ -173,8 +203,8 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
             kernel = kernels[programs, split] = FastLaunch(
                 _gated_gemm_tma_kernel, dict(fixed, NUM_PROGRAMS=programs, TAIL_SPLIT=split))
         ensure_allocator()
-        kernel(programs, index, x, weight, out, weight if bias is None else bias, m, i, k, dp_tiles,
-               x.stride(0), weight.stride(0), out.stride(0))
+        kernel(programs, index, x, weight, out, weight if bias is None else bias, p, m, i, k, dp_tiles,
+               x.stride(0), weight.stride(0), out.stride(0), p.stride(0))
         return out
 
     return launch

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import GatedGemmConfig
+from .configs import GatedGemmConfig, ceil_div
 from .device import tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .layout import GATE_UP_BLOCK
@@ -101,7 +101,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
     def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         m, k = x.shape
         i = weight.shape[0] // 2
-        grid = (triton.cdiv(m, bm) * triton.cdiv(i, bn),)
+        grid = (ceil_div(m, bm) * ceil_div(i, bn),)
         if config.weight_boxes == 2:  # the packed weight as [I/16, 32, K]: gate rows at [b, :16], up at [b, 16:]
             row = weight.stride(0)
             w3 = weight.as_strided((i // GATE_UP_BLOCK, 2 * GATE_UP_BLOCK, k), (2 * GATE_UP_BLOCK * row, row, 1))

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig
+from .configs import GatedGemmConfig, ceil_div
 from .jit_common import gated_epilogue
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -91,7 +91,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
 
     def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         i = weight.shape[0] >> 1
-        kernel(triton.cdiv(i, bn), x.device.index or 0, x, weight, weight if bias is None else bias, out,
+        kernel(ceil_div(i, bn), x.device.index or 0, x, weight, weight if bias is None else bias, out,
                i, x.shape[1], x.stride(1), weight.stride(0), weight.stride(1), out.stride(1))
         return out
 

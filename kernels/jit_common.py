@@ -80,3 +80,75 @@ def gated_epilogue(gate, up, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr
     if OUT_SCALE != 1.0:
         h = h * OUT_SCALE
     return h
+
+
+# -- derivatives, for the backward kernels ------------------------------------------------
+
+
+@triton.jit
+def activation_and_grad(gate, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr):
+    """(act(gate), act'(gate)) in fp32; codes and APPROX_TANH as in `apply_activation`.
+
+    silu: s = sigmoid(g), act' = s * (1 + g * (1 - s)).
+    gelu_tanh: t = tanh(c * (g + 0.044715 g^3)), act' = (1 + t) / 2 + g/2 * (1 - t^2) * c * (1 + 3 * 0.044715 g^2)
+    with c = sqrt(2/pi); the second term takes g clipped to [-10, 10], where t^2 rounds to 1 in
+    fp32 (so the term is exactly 0 past it and g^3 cannot overflow into 0 * inf).
+    gelu: act' = Phi(g) + g * phi(g), the normal CDF and density.
+    """
+    if ACTIVATION == 0:  # silu
+        if APPROX_TANH:
+            s = 0.5 + 0.5 * _tanh_approx(0.5 * gate)
+        else:
+            s = _sigmoid(gate)
+        a = gate * s
+        da = s * (1.0 + gate * (1.0 - s))
+    elif ACTIVATION == 1:  # gelu_tanh
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        if APPROX_TANH:
+            t = _tanh_approx(inner)
+        else:
+            t = 2.0 * _sigmoid(2.0 * inner) - 1.0
+        half = 0.5 * gate
+        a = half + half * t
+        gc = tl.minimum(tl.maximum(gate, -10.0), 10.0)
+        da = 0.5 + 0.5 * t + (0.5 * gc * (1.0 - t * t)) * (0.7978845608028654 * (1.0 + 0.134145 * gc * gc))
+    else:  # gelu (erf)
+        cdf = 0.5 * (1.0 + tl.erf(gate * 0.7071067811865476))
+        a = gate * cdf
+        da = cdf + gate * 0.3989422804014327 * tl.exp(-0.5 * gate * gate)
+    return a, da
+
+
+@triton.jit
+def gated_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                        GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr,
+                        LIMIT: tl.constexpr):
+    """(h, dgate, dup) in fp32: h as `gated_epilogue` computes it from gate and up, and the
+    gradients of sum(dh * h) with respect to gate and up (the scales included). A clamp passes
+    no gradient where it clips, as torch.clamp's backward: up's where it is outside
+    [-LIMIT, LIMIT]; CLAMP 1: gate's where GATE_SCALE * gate > LIMIT; CLAMP 2: where
+    act(GATE_SCALE * gate) > LIMIT."""
+    if GATE_SCALE != 1.0:
+        gate = gate * GATE_SCALE
+    if CLAMP != 0:
+        up_passes = (up >= -LIMIT) & (up <= LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    if CLAMP == 1:
+        gate_passes = gate <= LIMIT
+        gate = tl.minimum(gate, LIMIT)
+    a, da = activation_and_grad(gate, ACTIVATION, APPROX_TANH)
+    if CLAMP == 2:
+        gate_passes = a <= LIMIT
+        a = tl.minimum(a, LIMIT)
+    h = a * up
+    if OUT_SCALE != 1.0:
+        h = h * OUT_SCALE
+        dh = dh * OUT_SCALE
+    dup = dh * a
+    dgate = dh * up * da
+    if CLAMP != 0:
+        dup = tl.where(up_passes, dup, 0.0)
+        dgate = tl.where(gate_passes, dgate, 0.0)
+    if GATE_SCALE != 1.0:
+        dgate = dgate * GATE_SCALE
+    return h, dgate, dup

@@ -8,8 +8,8 @@ and whose kernel can run its tensors (dtype, alignment, whole gate/up blocks); t
 match every call, so there is always one. fp32 calls halve the chosen block_k (shared memory).
 
 `sweep` names the measurements that chose the rule, relative to benchmarks/results/; the
-per-rule numbers are in docs/performance.md. `python -m swiglu_patch.kernels.dispatch --help`
-(or `swiglu-patch explain`) says which rule a call takes and why the earlier ones did not.
+per-rule numbers are in docs/performance.md. `swiglu-patch explain --m 16 --k 4096 --i 14336`
+says which rule a call takes and why the earlier ones did not.
 
 Why the groups exist:
 - captured calls (CUDA graphs) may take the grid kernel, whose host-built TMA descriptors
@@ -154,3 +154,28 @@ DEFAULT_CONFIGS: dict[str, C] = {
     "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
     "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
 }
+
+
+# -- training: the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue ----
+# Its own table, read by `dispatch.gated_backward` the same way (first match whose kernel can
+# run the tensors; the last rule matches every call). Kernels: `gated_backward_pointer.py`,
+# `gated_backward_tma.py`. The forward of training (the gated GEMM that also stores the
+# pre-activation) takes `RULES`, skipping kernels without a STORE_PREACT path.
+
+BACKWARD_KERNELS = ("backward_pointer", "backward_tma")
+PREACT_KERNELS = ("pointer", "tma")
+
+BACKWARD_RULES: tuple[Rule, ...] = (
+    Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,
+         m=(129, None),
+         why="dH tile 128x128 (one wgmma N=128) reading a [128, 256] P tile in two [128, 128] boxes; 4 stages "
+             "fit with the epilogue's boxes (214 KB shared, 165 registers, no spills, Triton 3.6 for sm_90); "
+             "not yet timed"),
+    Rule("backward_tma", C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER,
+         m=(65, 128), why="64-row tiles where M is too small for 128-row tiles to fill the SMs; not yet timed"),
+    Rule("backward_pointer", C(16, 32, 64, num_warps=4, num_stages=3), m=(None, 16),
+         why="few tokens: the Wd read bounds the call; not yet timed"),
+    Rule("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3), m=(17, None),
+         why="pre-Hopper, fp32 or unaligned: the largest tile ptxas fits without spills for every epilogue "
+             "and dtype (Triton 3.6, sm_90a: 128x64x64 w8 and 64x64x64 w4 spill 150-660 bytes); not yet timed"),
+)

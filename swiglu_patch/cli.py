@@ -1,7 +1,9 @@
 """The `swiglu-patch` command line: one subcommand per tool, each in its own module.
 
-Each subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it is
-imported only when its subcommand runs, so `swiglu-patch kv-capacity` never imports lm-eval.
+Each subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``, and defines
+its options without importing torch, transformers or lm-eval (they load inside ``main``), so
+``--help`` and argument errors are fast. Only the module of the subcommand named on the line is
+imported. An argument error is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -10,26 +12,58 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module, one-line help)
+# subcommand -> (module, one-line summary)
 SUBCOMMANDS = {
-    "eval": ("swiglu_patch.evals.cli", "lm-eval tasks and token-level agreement, eager vs fused"),
-    "memory": ("swiglu_patch.memory.profile_cli", "measure activation memory, eager vs fused (CUDA)"),
-    "kv-capacity": ("swiglu_patch.memory.kv_cli", "KV-cache tokens bought by the fused MLP"),
+    "eval": ("swiglu_patch.evals.cli", "does the model answer the same with its MLPs fused? (lm-eval tasks, text)"),
+    "memory": ("swiglu_patch.memory.profile_cli", "peak activation memory, eager MLP against fused (measured on CUDA)"),
+    "kv-capacity": ("swiglu_patch.memory.kv_cli", "KV-cache tokens the fused MLP frees on a GPU (arithmetic, any machine)"),
+    "explain": ("swiglu_patch.explain_cli", "which kernel and config a gated GEMM call runs, and why (any machine)"),
 }
 
+DESCRIPTION = """\
+swiglu-patch fuses the gate and up projections, the activation and the product of every
+gated MLP (SwiGLU, GeGLU) of a Hugging Face model into one Triton GEMM. These tools check
+what that changes: answers, memory, and KV-cache room.
+"""
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="swiglu-patch", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    argv = sys.argv[1:] if argv is None else argv
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        sp = sub.add_parser(name, help=help_text)
-        if name == chosen:  # import only the module that will run
+EPILOG = """\
+examples:
+  swiglu-patch eval --model ./my-checkpoint --text book.txt
+  swiglu-patch memory --model llama-3.1-8b --tokens 512,8192
+  swiglu-patch kv-capacity --model llama-3.1-8b --gpu H100
+  swiglu-patch explain --m 16 --k 4096 --i 14336 --captured
+
+`swiglu-patch COMMAND --help` describes each command. Without the Hugging Face hub, set
+HF_HUB_OFFLINE=1 and give local paths.
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line (what is wrong, and where the help is) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `swiglu-patch` parser; the options of `command` (a SUBCOMMANDS key) are filled in."""
+    parser = _Parser(prog="swiglu-patch", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, summary) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=summary, description=summary)
+        if name == command:
             mod = importlib.import_module(module)
             mod.add_arguments(sp)
             sp.set_defaults(_main=mod.main)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: the process's arguments) and run the subcommand; returns its exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if a in SUBCOMMANDS), None)
+    args = build_parser(command).parse_args(argv)
     return int(args._main(args) or 0)
 
 

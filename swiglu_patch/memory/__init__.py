@@ -21,12 +21,13 @@ from swiglu_patch.memory.kv_capacity import (
     smallest_tp,
 )
 from swiglu_patch.memory.live_set import LiveSet, Peak
-from swiglu_patch.memory.shape import FAMILIES, ModelShape
+from swiglu_patch.memory.shape import DECODER_LAYOUTS, DecoderLayout, ModelShape
 from swiglu_patch.memory.weights import count_params, weight_bytes_per_gpu
 
 __all__ = [
-    "FAMILIES",
+    "DECODER_LAYOUTS",
     "CapacityResult",
+    "DecoderLayout",
     "InsufficientMemoryError",
     "LiveSet",
     "ModelShape",

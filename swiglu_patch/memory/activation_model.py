@@ -119,10 +119,10 @@ class _Walk:
 
     def __init__(self, shape: ModelShape, batch: int, seq_len: int, *, fused: bool, e: int,
                  attention: str, use_cache: bool, server_kernels: bool = False) -> None:
-        self.s, self.t = shape, shape.traits
+        self.s, self.layout = shape, shape.layout
         self.B, self.T, self.M = batch, seq_len, batch * seq_len
         self.fused, self.e, self.use_cache, self.server_kernels = fused, e, use_cache, server_kernels
-        self.mode = "eager" if attention == "hf" and self.t.hf_attention == "eager" else (
+        self.mode = "eager" if attention == "hf" and self.layout.hf_attention == "eager" else (
             "sdpa" if attention == "hf" else "flash")
         self.ls = LiveSet()
         self.masked: set[str] = set()  # layer types whose HF mask is materialized
@@ -142,7 +142,7 @@ class _Walk:
         ls.free(f"{out}.pow")
         ls.alloc(f"{out}.scaled", n * _F32, "norm", f"{w} x * rsqrt(var)")
         ls.free(f"{out}.f32")
-        if self.t.norm_style == "llama":  # weight * x.to(dtype)
+        if self.layout.norm_style == "llama":  # weight * x.to(dtype)
             if up:
                 ls.alloc(f"{out}.cast", n * e, "norm", f"{w} .to(dtype)")
             ls.alloc(out, n * e, out_kind, f"{w} weight * x")
@@ -179,7 +179,7 @@ class _Walk:
             ls.alloc(f"{tag}.h", M * I * e, "mlp", f"{tag}: fused act(gate) * up")
             ls.alloc(f"{tag}.down", M * K * e, "hidden", f"{tag}: down_proj")
             ls.free(f"{tag}.h")
-        elif self.t.fused_gate_up:  # Phi-3: gate and up are views of one [M, 2I] output
+        elif self.layout.fused_gate_up:  # Phi-3: gate and up are views of one [M, 2I] output
             ls.alloc(f"{tag}.gate_up", 2 * M * I * e, "mlp", f"{tag}: gate_up_proj")
             ls.alloc(f"{tag}.act", M * I * e, "mlp", f"{tag}: act(gate)")
             ls.alloc(f"{tag}.prod", M * I * e, "mlp", f"{tag}: up * act(gate)")
@@ -204,18 +204,18 @@ class _Walk:
         tag = f"layer {layer} attn"
         nq, nkv = M * s.q_dim, M * s.kv_dim
         views: list[str] = []  # tensors q/k/v are views of (freed when attention returns)
-        if self.t.fused_qkv:
+        if self.layout.fused_qkv:
             ls.alloc(f"{tag}.qkv", (nq + 2 * nkv) * e, "attention", f"{tag}: qkv_proj")
             q, k, v, views = None, None, None, [f"{tag}.qkv"]
         else:
             q, k, v = f"{tag}.q", f"{tag}.k", f"{tag}.v"
             for name, n in ((q, nq), (k, nkv), (v, nkv)):
                 ls.alloc(name, n * e, "attention", f"{tag}: {name[-1]}_proj")
-                if self.t.qk_norm and self.t.qk_norm_before_transpose and name != v:
+                if self.layout.qk_norm and self.layout.qk_norm_before_transpose and name != v:
                     self.norm(name, n, f"{name}n", "attention")
                     ls.free(name)
-            if self.t.qk_norm:
-                if self.t.qk_norm_before_transpose:
+            if self.layout.qk_norm:
+                if self.layout.qk_norm_before_transpose:
                     q, k = f"{q}n", f"{k}n"
                 else:
                     for name, n in ((q, nq), (k, nkv)):
@@ -269,7 +269,7 @@ class _Walk:
         for name in reps:
             ls.alloc(name, nq * e, "attention", f"{w} repeat_kv")
         # Gemma 2 (the family HF runs eager) soft-caps the scores: / cap, tanh, * cap
-        steps = ["qk", "scaled"] + (["capdiv", "tanh", "capmul"] if s.traits.hf_attention == "eager" else [])
+        steps = ["qk", "scaled"] + (["capdiv", "tanh", "capmul"] if s.layout.hf_attention == "eager" else [])
         steps.append("masked")
         prev = None
         for step in steps:
@@ -290,7 +290,7 @@ class _Walk:
     def layer(self, x: str, i: int) -> str:
         ls, MK, e = self.ls, self.M * self.s.hidden_size, self.e
         tag = f"layer {i}"
-        four = self.t.norms_per_layer == 4
+        four = self.layout.norms_per_layer == 4
         hn = self.norm(x, MK, f"{tag} input_norm")
         o = self.attention(hn, i)
         ls.free(hn)
@@ -317,7 +317,7 @@ class _Walk:
     def model(self, logits_to_keep: int) -> None:
         ls, s, B, T, e = self.ls, self.s, self.B, self.T, self.e
         MK = self.M * s.hidden_size
-        if self.t.embed_scale:
+        if self.layout.embed_scale:
             ls.alloc("embed.raw", MK * e, "hidden", "embed_tokens")
             ls.alloc("embeds", MK * e, "hidden", "embeddings * sqrt(K)")
             ls.free("embed.raw")

@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from swiglu_patch.inputs import SourceError, check_source, looks_like_path
 from swiglu_patch.memory.shape import REQUIRED_FIELDS, ModelShape
 
 PRESET_PACKAGE = "swiglu_patch.memory"
@@ -107,22 +108,45 @@ def resolve_model(spec: str) -> ResolvedModel:
         doc = load_preset_document(spec)
         return ResolvedModel(spec, doc.get("display_name", spec), doc["source"],
                              config_from_dict(doc["config"], where=f"preset {spec}"))
-    path = Path(spec)
+    path = Path(spec).expanduser()
     if path.is_file():
-        fields = json.loads(path.read_text())
-        return ResolvedModel(spec, path.parent.name or spec, str(path), config_from_dict(fields, where=str(path)))
+        return ResolvedModel(spec, path.parent.name or spec, str(path), config_from_dict(read_json(path), where=str(path)))
     if path.is_dir():
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise ValueError(f"{spec} is a folder without config.json; pass the config.json or a checkpoint folder.")
-        fields = json.loads(cfg_path.read_text())
-        return ResolvedModel(spec, path.name, str(cfg_path), config_from_dict(fields, where=str(cfg_path)), str(path))
-    if "/" in spec and not spec.startswith((".", "/")):
+        return ResolvedModel(spec, path.name, str(cfg_path), config_from_dict(read_json(cfg_path), where=str(cfg_path)),
+                             str(path))
+    if looks_like_path(spec):
+        raise ValueError(f"{spec}: no such file or folder ({path.absolute()}); give a config.json, a checkpoint "
+                         f"folder, or a preset ({', '.join(list_presets())}).")
+    if "/" in spec:
         return _from_hub(spec)
     raise _unknown(spec)
 
 
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`.
+
+    Raises:
+        ValueError: the file cannot be read, is not JSON, or holds no object; the message names the file.
+    """
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
+
+
 def _from_hub(repo: str) -> ResolvedModel:
+    try:
+        check_source(repo, option="--model", what="model config")
+    except SourceError as exc:
+        raise ValueError(f"{exc} Or use a preset: {', '.join(list_presets())}.") from None
     from transformers import AutoConfig
 
     try:

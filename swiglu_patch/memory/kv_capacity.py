@@ -184,14 +184,8 @@ def kv_capacity(
         InsufficientMemoryError: the weights plus the smaller activation peak exceed the usable memory.
         ValueError: a bad size, fraction, dtype or tp.
     """
-    if not 0 < mem_fraction <= 1:
-        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
-    if gpu_mem_gib <= 0 or overhead_gib < 0:
-        raise ValueError(f"gpu_mem_gib must be > 0 and overhead_gib >= 0, got {gpu_mem_gib} and {overhead_gib}")
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+    _check_settings(gpu_mem_gib=gpu_mem_gib, chunk_tokens=chunk_tokens, mem_fraction=mem_fraction, seq_len=seq_len,
+                    overhead_gib=overhead_gib, runtime=runtime)
     per_gpu = shape.sharded(tp)
     weights = int(round(weight_bytes_per_gpu(shape, weight_dtype, tp)))
     peaks = {fused: predict_prefill_peak(per_gpu, 1, chunk_tokens, fused=fused, dtype_bytes=ACTIVATION_BYTES,
@@ -230,12 +224,35 @@ def kv_capacity(
     )
 
 
+def _check_settings(*, gpu_mem_gib: float, chunk_tokens: int = 512, mem_fraction: float = 0.9, seq_len: int = 8192,
+                    overhead_gib: float = 0.0, runtime: str = "server", **_) -> None:
+    """Raise ValueError for a setting no GPU could have (the message names it and the value)."""
+    if not 0 < mem_fraction <= 1:
+        raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
+    if not gpu_mem_gib > 0:
+        raise ValueError(f"gpu_mem_gib must be > 0, got {gpu_mem_gib}")
+    if not overhead_gib >= 0:
+        raise ValueError(f"overhead_gib must be >= 0, got {overhead_gib}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}")
+
+
 def smallest_tp(shape: ModelShape, **kwargs) -> int:
     """The smallest tp in (1, 2, 4, 8, 16) that divides the model and leaves room for the KV cache.
 
+    Args:
+        shape: the whole model.
+        **kwargs: as for :func:`kv_capacity` (without ``tp``).
+
     Raises:
-        InsufficientMemoryError: none fits.
+        ValueError: a bad setting (checked once, before trying any tp).
+        InsufficientMemoryError: no tp fits.
     """
+    _check_settings(**kwargs)
     last: Exception | None = None
     for tp in TP_CANDIDATES:
         try:

@@ -1,68 +1,111 @@
-"""`swiglu-patch memory`: peak activation memory on CUDA, eager MLP against fused, measured and predicted.
+"""`swiglu-patch memory`: the options, the measurement loop, the tables and the files.
 
-    python -m swiglu_patch.cli memory --out-dir benchmarks/results/memory_h100
-    swiglu-patch memory --model llama-3.1-8b --layers 2 --tokens 512,2048,8192 --batch-sizes 1
-
-For each model (random-init from its config unless a checkpoint's weights are given, truncated to
---layers), measures one MLP forward and one full prefill forward (``logits_to_keep=1``,
-DynamicCache on) for every (batch, tokens), eager, then after ``apply_fused_mlp``, and prints them
-next to the prediction of :mod:`swiglu_patch.memory.activation_model`. With --out-dir writes
-memory_profile.json, memory_profile.md and memory_profile.png there. Without CUDA it says so and
-shows the prediction only.
+Defining the options imports nothing heavy (``--help`` stays fast); torch and transformers load
+only when a measurement runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from swiglu_patch.memory.configs import list_presets, resolve_model
+from swiglu_patch.inputs import existing_file, int_list, nonnegative_int, one_line, positive_float, positive_int
+from swiglu_patch.memory.configs import list_presets, read_json, resolve_model
 from swiglu_patch.memory.profiler import WHATS, ProfileRow, predict_rows, profile_model
-from swiglu_patch.memory.tables import environment, fmt_bytes, int_list, markdown_table, write_json, write_text
+from swiglu_patch.memory.tables import fmt_bytes, markdown_table, write_json, write_text
 
 DEFAULT_MODELS = ["llama-3.1-8b", "qwen2.5-7b", "mistral-nemo-12b", "gemma-3-12b"]
 
+DESCRIPTION = """\
+Peak activation memory of a model's forward, eager MLP against fused, measured on a CUDA GPU
+(torch.cuda.max_memory_allocated) next to the prediction of swiglu-patch's memory model. For
+each model (random weights from its config unless --model is a checkpoint; first --layers
+decoder layers) it measures one MLP forward and one full prefill for every batch size and
+sequence length, eager and then after apply_fused_mlp. Without CUDA it shows the prediction.
+"""
+
+EPILOG = """\
+examples:
+  swiglu-patch memory --model llama-3.1-8b --tokens 512,2048,8192 --batch-sizes 1
+  swiglu-patch memory --out-dir results/memory_h100             # the four default models
+  swiglu-patch memory --from-json results/memory_h100/memory_profile.json --plot memory.png
+
+--out-dir writes memory_profile.json, memory_profile.md and memory_profile.png (the plot needs
+matplotlib; without it the plot is skipped, and --from-json draws it later on any machine).
+"""
+
+
+def _whats(text: str) -> tuple[str, ...]:
+    """argparse type: "both", or a comma-separated subset of WHATS."""
+    if text == "both":
+        return WHATS
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not values or any(v not in WHATS for v in values):
+        raise argparse.ArgumentTypeError(f"expected mlp, prefill or both, got {text!r}")
+    return values
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `swiglu-patch memory`'s options to `parser`."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--model", nargs="+", default=DEFAULT_MODELS, metavar="MODEL",
                         help=f"preset, config.json, checkpoint folder or hub id (default: {' '.join(DEFAULT_MODELS)}); "
                              f"presets: {', '.join(list_presets())}")
-    parser.add_argument("--layers", type=int, default=2, help="keep only the first N decoder layers (default 2; 0 = all)")
-    parser.add_argument("--tokens", type=int_list, default=[512, 1024, 2048, 4096, 8192],
+    parser.add_argument("--layers", type=nonnegative_int, default=2,
+                        help="keep only the first N decoder layers (default 2; 0 = all)")
+    parser.add_argument("--tokens", type=int_list, default=[512, 1024, 2048, 4096, 8192], metavar="T,T,...",
                         help="sequence lengths, comma-separated (default 512,1024,2048,4096,8192)")
-    parser.add_argument("--batch-sizes", type=int_list, default=[1, 2], help="batch sizes (default 1,2)")
-    parser.add_argument("--max-tokens", type=int, default=16384, help="skip points with batch x tokens above this")
-    parser.add_argument("--what", default="mlp,prefill", help="mlp, prefill or both (default mlp,prefill)")
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    parser.add_argument("--backend", default="auto", help="apply_fused_mlp backend (default auto: Triton on CUDA)")
+    parser.add_argument("--batch-sizes", type=int_list, default=[1, 2], metavar="B,B,...", help="batch sizes (default 1,2)")
+    parser.add_argument("--max-tokens", type=positive_int, default=16384,
+                        help="skip points with batch x tokens above this (default 16384)")
+    parser.add_argument("--what", type=_whats, default=WHATS, metavar="{mlp,prefill,both}",
+                        help="one MLP forward, the full prefill, or both (default both)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="default bf16")
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
+                        help="fused computation (default auto: the Triton kernel on CUDA)")
     parser.add_argument("--random-init", action="store_true",
-                        help="random weights from the config even when a checkpoint's weights are available")
+                        help="random weights from the config even when --model is a checkpoint")
     parser.add_argument("--family", help="treat an unknown model_type as this family (e.g. llama)")
-    parser.add_argument("--tolerance", type=float, default=0.10, help="relative error that counts as a match (0.10)")
+    parser.add_argument("--tolerance", type=positive_float, default=0.10,
+                        help="relative error of the prediction that counts as a match (default 0.10)")
     parser.add_argument("--snapshot", action="store_true",
-                        help="also dump a torch.cuda.memory snapshot (pickle) of the largest prefill per path")
-    parser.add_argument("--out-dir", help="write memory_profile.{json,md,png} here")
-    parser.add_argument("--from-json", metavar="PATH",
+                        help="also dump a torch.cuda.memory snapshot of the largest prefill per path into --out-dir")
+    parser.add_argument("--out-dir", metavar="DIR", help="write memory_profile.{json,md,png} here")
+    parser.add_argument("--from-json", type=existing_file, metavar="PATH",
                         help="re-render the table and plot of an earlier run's memory_profile.json (no GPU needed)")
-    parser.add_argument("--plot", help="PNG path (default <out-dir>/memory_profile.png)")
+    parser.add_argument("--plot", metavar="PNG", help="the plot's path (default <out-dir>/memory_profile.png)")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.from_json:
-        return _rerender(args)
-    whats = [w.strip() for w in args.what.split(",") if w.strip()]
-    bad = [w for w in whats if w not in WHATS]
-    if bad or not whats:
-        print(f"swiglu-patch memory: --what takes {', '.join(WHATS)}, got {args.what!r}", file=sys.stderr)
-        return 2
+    """Run `swiglu-patch memory` with parsed `args`; returns the exit status (1: a model failed)."""
     try:
+        if args.plot:
+            from swiglu_patch.memory.plotting import require_matplotlib
+
+            require_matplotlib()
+        if args.from_json:
+            return _rerender(args)
+        if args.snapshot and not args.out_dir:
+            raise ValueError("--snapshot writes into <out-dir>/snapshots; give --out-dir")
         resolved = [resolve_model(m) for m in args.model]
         shapes = [r.shape(args.family) for r in resolved]
-    except ValueError as exc:
-        print(f"swiglu-patch memory: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, ImportError) as exc:
+        return _fail(exc)
+    return _measure(args, resolved, shapes)
+
+
+def _fail(message: object) -> int:
+    print(f"swiglu-patch memory: error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _measure(args: argparse.Namespace, resolved: list, shapes: list) -> int:
+    """Measure (or, without CUDA, predict) every point of every model; print and write the results."""
     layers = args.layers or None
     cuda = _cuda_available()
     if not cuda:
@@ -76,12 +119,12 @@ def main(args: argparse.Namespace) -> int:
         dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
         if not cuda:
             s = shape.truncated(layers) if layers else shape
-            rows += predict_rows(s, whats, args.batch_sizes, args.tokens, dtype_bytes, args.max_tokens)
+            rows += predict_rows(s, args.what, args.batch_sizes, args.tokens, dtype_bytes, args.max_tokens)
             continue
         t0 = time.time()
         try:
             model_rows, model_info = profile_model(
-                res, layers=layers, whats=whats, batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
+                res, layers=layers, whats=args.what, batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
                 max_tokens=args.max_tokens, random_init=args.random_init, backend=args.backend,
                 snapshot_dir=(out_dir / "snapshots") if (args.snapshot and out_dir) else None, family=args.family)
         except Exception as exc:  # one model's failure (OOM, an HF change) must not lose the others' numbers
@@ -91,16 +134,14 @@ def main(args: argparse.Namespace) -> int:
         rows += model_rows
         info[res.name] = {**model_info, "source": res.source, "seconds": round(time.time() - t0, 1)}
         print(f"{res.name}: {len(model_rows)} points in {time.time() - t0:.1f} s", flush=True)
-    table = profile_table(rows, args.tolerance)
-    summary = match_summary(rows, args.tolerance)
-    env = environment()
-    where = (f"measured with torch.cuda.max_memory_allocated on {env.get('gpu')} (torch {env.get('torch')}, "
-             f"transformers {env.get('transformers')}, commit {env.get('git_commit')})") if cuda else \
-        "PREDICTION ONLY (no CUDA)"
+    from swiglu_patch.provenance import environment
+
+    env = environment("cuda" if cuda else "cpu")
+    where = f"measured with torch.cuda.max_memory_allocated on {measured_on(env)}" if cuda else "PREDICTION ONLY (no CUDA)"
     header = (f"Peak memory above weights, {args.dtype}, first {layers or 'all'} layers, HF eager vs swiglu-patch "
               f"fused; prefill with logits_to_keep=1 and use_cache=True; {where}")
-    failed = "".join(f"\n- {name} FAILED: {why}" for name, why in failures.items())
-    summary += failed
+    table, summary = profile_table(rows, args.tolerance), match_summary(rows, args.tolerance)
+    summary += "".join(f"\n- {name} FAILED: {why}" for name, why in failures.items())
     print(f"{header}\n\n{table}\n\n{summary}")
     if out_dir:
         payload = {"command": " ".join(sys.argv), "environment": env, "settings": _settings(args),
@@ -111,6 +152,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nwrote {out_dir / 'memory_profile.json'}, {out_dir / 'memory_profile.md'}")
     _plot(rows, args.plot or (str(out_dir / "memory_profile.png") if out_dir else None), header)
     return 1 if failures else 0
+
+
+def measured_on(env: dict) -> str:
+    """'<GPU> (torch X, transformers Y, commit Z)' from a results file's environment: a
+    `swiglu_patch.provenance.environment` record, or the flat one of files measured before it
+    existed ({"gpu": name, "torch": ..., "git_commit": ...})."""
+    if "versions" in env:
+        gpu, versions, commit = env.get("gpu", {}).get("name", "no GPU"), env["versions"], env.get("git", {}).get("commit")
+    else:
+        gpu, versions, commit = env.get("gpu", "no GPU"), env, env.get("git_commit")
+    return f"{gpu} (torch {versions.get('torch')}, transformers {versions.get('transformers')}, commit {commit})"
 
 
 def _plot(rows: list[ProfileRow], path: str | None, title: str) -> None:
@@ -126,15 +178,17 @@ def _plot(rows: list[ProfileRow], path: str | None, title: str) -> None:
 
 def _rerender(args: argparse.Namespace) -> int:
     """Table, summary, markdown and plot from a memory_profile.json, without measuring."""
-    import json
-
-    payload = json.loads(Path(args.from_json).read_text())
-    fields = set(ProfileRow.__dataclass_fields__)
-    rows = [ProfileRow(**{k: v for k, v in r.items() if k in fields}) for r in payload["rows"]]
-    env = payload.get("environment", {})
-    header = (f"Peak memory above weights on {env.get('gpu', 'no GPU')} (torch {env.get('torch')}, transformers "
-              f"{env.get('transformers')}, commit {env.get('git_commit')}); HF eager vs swiglu-patch fused; prefill "
-              "with logits_to_keep=1 and use_cache=True")
+    source = args.from_json
+    payload = read_json(source)
+    rows = payload.get("rows")
+    fields = {f.name for f in dataclasses.fields(ProfileRow)}
+    needed = {f.name for f in dataclasses.fields(ProfileRow) if f.default is dataclasses.MISSING}
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and needed <= set(r) for r in rows):
+        raise ValueError(f"{source}: not a memory_profile.json (it needs a list 'rows' of points with "
+                         f"{', '.join(sorted(needed))})")
+    rows = [ProfileRow(**{k: v for k, v in r.items() if k in fields}) for r in rows]
+    header = (f"Peak memory above weights on {measured_on(payload.get('environment', {}))}; HF eager vs swiglu-patch "
+              "fused; prefill with logits_to_keep=1 and use_cache=True")
     table, summary = profile_table(rows, args.tolerance), match_summary(rows, args.tolerance)
     print(f"{header}\n\n{table}\n\n{summary}")
     if args.out_dir:

@@ -123,12 +123,15 @@ def decoder_layers(model):
 
 
 def measure_rows(model, rows: list[ProfileRow], shape: ModelShape, dtype: str, snapshot_dir: Path | None,
-                 path: str, device: str = "cuda", measure: Callable | None = None) -> None:
+                 path: str, device: str = "cuda", measure: Callable | None = None, progress: bool = True) -> None:
     """Fill ``measured_bytes`` of the rows of one path ("eager" or "fused") on ``model`` as it is now.
 
     ``measure(fn) -> bytes`` defaults to :func:`measure_peak` (CUDA); tests pass a CPU tracker.
+    ``progress`` shows a tqdm bar over the points (on stderr).
     """
     import torch
+
+    from tqdm.auto import tqdm
 
     measure = measure or measure_peak
     torch_dtype = getattr(torch, _DTYPES[dtype])
@@ -136,7 +139,7 @@ def measure_rows(model, rows: list[ProfileRow], shape: ModelShape, dtype: str, s
     todo = [r for r in rows if r.path == path]
     largest = max((r.tokens for r in todo if r.what == "prefill"), default=None)
     with torch.inference_mode():
-        for r in todo:
+        for r in tqdm(todo, desc=f"{shape.name} {path}", unit="point", disable=not progress, dynamic_ncols=True):
             if r.what == "mlp":
                 x = torch.randn(r.batch, r.seq_len, shape.hidden_size, device=device, dtype=torch_dtype)
                 r.measured_bytes = measure(lambda: mlp(x))
@@ -195,7 +198,7 @@ def profile_model(resolved: ResolvedModel, *, layers: int | None, whats, batches
         shape = shape.truncated(layers)
     dtype_bytes = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
     rows = predict_rows(shape, whats, batches, seq_lens, dtype_bytes, max_tokens)
-    attn = "eager" if shape.traits.hf_attention == "eager" else "sdpa"
+    attn = "eager" if shape.layout.hf_attention == "eager" else "sdpa"
     snapshot_dir = snapshot_dir if device == "cuda" else None
     model = build_model(resolved, layers, dtype, random_init, attn, device)
     try:

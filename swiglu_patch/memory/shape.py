@@ -1,13 +1,14 @@
-"""The few numbers of a decoder config that memory depends on, and the traits of each model family.
+"""The few numbers of a decoder config that memory depends on, and how each family lays out a layer.
 
 A :class:`ModelShape` is read from a transformers config (``PretrainedConfig``) and holds only
 what the activation model, the weight count and the KV-cache arithmetic need. Shape letters as
 everywhere in swiglu-patch: K = hidden_size, I = intermediate_size, H = attention heads,
 KV = key/value heads, D = head_dim.
 
-The :data:`FAMILIES` registry says, per ``config.model_type``, how Hugging Face's eager code
+The :data:`DECODER_LAYOUTS` table says, per ``config.model_type``, how Hugging Face's eager code
 lays out one decoder layer: norm style, norms per layer, q/k norms, packed projections, embedding
-scaling, which attention HF runs. The activation model walks a layer with these traits.
+scaling, which attention HF runs. The activation model walks a layer with this layout. (Which
+MLPs the patch can fuse is another table: ``swiglu_patch.registry.FAMILIES``.)
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ SLIDING = "sliding_attention"
 
 
 @dataclass(frozen=True)
-class Family:
-    """How one model family's HF eager forward is laid out (what the activation model walks).
+class DecoderLayout:
+    """How one model family's HF eager decoder layer is laid out (what the activation model walks).
 
     Attributes:
         norm_style: "llama" (``w * x.float().normed.to(dtype)``) or "gemma"
@@ -50,15 +51,15 @@ class Family:
     hf_attention: str = "sdpa"
 
 
-FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(),
-    "qwen2": Family(qkv_bias=True),
-    "qwen3": Family(qk_norm=True, qk_norm_before_transpose=True),
-    "gemma": Family(norm_style="gemma", embed_scale=True),
-    "gemma2": Family(norm_style="gemma", norms_per_layer=4, embed_scale=True, hf_attention="eager"),
-    "gemma3_text": Family(norm_style="gemma", norms_per_layer=4, qk_norm=True, embed_scale=True),
-    "phi3": Family(fused_qkv=True, fused_gate_up=True),
+DECODER_LAYOUTS: dict[str, DecoderLayout] = {
+    "llama": DecoderLayout(),
+    "mistral": DecoderLayout(),
+    "qwen2": DecoderLayout(qkv_bias=True),
+    "qwen3": DecoderLayout(qk_norm=True, qk_norm_before_transpose=True),
+    "gemma": DecoderLayout(norm_style="gemma", embed_scale=True),
+    "gemma2": DecoderLayout(norm_style="gemma", norms_per_layer=4, embed_scale=True, hf_attention="eager"),
+    "gemma3_text": DecoderLayout(norm_style="gemma", norms_per_layer=4, qk_norm=True, embed_scale=True),
+    "phi3": DecoderLayout(fused_qkv=True, fused_gate_up=True),
 }
 
 # Config fields a gated-MLP decoder must state; everything else has a defensible default.
@@ -67,19 +68,19 @@ REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num
 _DTYPE_NAMES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "bf16": "bfloat16"}
 
 
-def family_for(model_type: str, override: str | None = None) -> Family:
-    """The :class:`Family` of ``model_type``, or of ``override`` when given.
+def decoder_layout(model_type: str, override: str | None = None) -> DecoderLayout:
+    """The :class:`DecoderLayout` of ``model_type``, or of ``override`` when given.
 
     Raises:
         ValueError: unknown model_type (the message lists the supported ones and the override).
     """
     key = override or model_type
-    if key not in FAMILIES:
+    if key not in DECODER_LAYOUTS:
         raise ValueError(
-            f"Unknown model_type {key!r} for the activation model. Supported: {', '.join(sorted(FAMILIES))}. "
+            f"Unknown model_type {key!r} for the activation model. Supported: {', '.join(sorted(DECODER_LAYOUTS))}. "
             "If its decoder layer is laid out like Llama's, pass family='llama' (CLI: --family llama)."
         )
-    return FAMILIES[key]
+    return DECODER_LAYOUTS[key]
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class ModelShape:
     Attributes:
         name: a label (preset name or path).
         model_type: ``config.model_type`` (text model, e.g. "gemma3_text").
-        family: key into :data:`FAMILIES`.
+        family: key into :data:`DECODER_LAYOUTS` (the model_type, or the family it is treated as).
         hidden_size: K.
         intermediate_size: I.
         num_layers: decoder layers.
@@ -129,8 +130,9 @@ class ModelShape:
     source: str = ""
 
     @property
-    def traits(self) -> Family:
-        return FAMILIES[self.family]
+    def layout(self) -> DecoderLayout:
+        """How this model's HF decoder layer is laid out."""
+        return DECODER_LAYOUTS[self.family]
 
     @property
     def q_dim(self) -> int:
@@ -197,7 +199,7 @@ class ModelShape:
             config: a ``PretrainedConfig`` (or anything with its attributes).
             name: label for tables.
             source: where the config came from.
-            family: treat the model as this family (a key of :data:`FAMILIES`) instead of its model_type.
+            family: treat the model as this family (a key of :data:`DECODER_LAYOUTS`) instead of its model_type.
 
         Raises:
             ValueError: a required field is missing, or the model_type is unknown and no family is given.
@@ -211,8 +213,7 @@ class ModelShape:
                 f"{', '.join(REQUIRED_FIELDS)}. Pass the model's full config.json."
             )
         model_type = getattr(config, "model_type", "") or ""
-        family_for(model_type, family)  # raises on unknown
-        traits = FAMILIES[family or model_type]
+        layout = decoder_layout(model_type, family)  # raises on unknown
         k, h = int(config.hidden_size), int(config.num_attention_heads)
         kv = int(getattr(config, "num_key_value_heads", None) or h)
         head_dim = int(getattr(config, "head_dim", None) or k // h)
@@ -244,7 +245,7 @@ class ModelShape:
             torch_dtype=_DTYPE_NAMES.get(dtype, dtype),
             sliding_window=int(window) if window else None,
             layer_types=types,
-            qkv_bias=traits.qkv_bias or attention_bias,
+            qkv_bias=layout.qkv_bias or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),

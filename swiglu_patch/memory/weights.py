@@ -48,7 +48,7 @@ def count_params(shape: ModelShape) -> ParamCount:
     if s.o_bias:
         attn += K
     mlp = 3 * K * I + (2 * I + K if s.mlp_bias else 0)
-    norms_per_layer = s.traits.norms_per_layer * K + (2 * D if s.traits.qk_norm else 0)
+    norms_per_layer = s.layout.norms_per_layer * K + (2 * D if s.layout.qk_norm else 0)
     embedding = s.vocab_size * K * (1 if s.tie_word_embeddings else 2)
     return ParamCount(embedding=embedding, attention=L * attn, mlp=L * mlp, norms=L * norms_per_layer + K)
 

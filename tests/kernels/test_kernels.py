@@ -66,10 +66,15 @@ EPILOGUE_CASES = [("pointer", 7, 50, 37), ("gemv", 1, 72, 48), ("tma", 37, 72, 6
 @pytest.mark.parametrize("kernel,m,k,i", EPILOGUE_CASES)
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: GatedEpilogue.of(e).describe())
 @pytest.mark.parametrize("scale", [1.0, 30.0])
-def test_every_kernel_computes_every_epilogue(kernel, m, k, i, epilogue, scale):
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES if CUDA else [None])
+def test_every_kernel_computes_every_epilogue(kernel, m, k, i, epilogue, scale, dtype):
     """Scales and clamps on every kernel, at ordinary and at large input scale (a dropped clamp
-    only shows where pre-activations pass the limit; at 30x most do)."""
-    dtype = TMA_DTYPES[-1] if kernel in ("tma", "grid") else KERNEL_DTYPES[-1]
+    only shows where pre-activations pass the limit; at 30x most do); on the GPU in bf16, fp16
+    and fp32 (the TMA kernels take 16-bit dtypes only), in the interpreter in one dtype."""
+    if dtype is None:
+        dtype = TMA_DTYPES[-1] if kernel in ("tma", "grid") else KERNEL_DTYPES[-1]
+    if kernel in ("tma", "grid") and dtype not in TMA_DTYPES:
+        pytest.skip("the TMA kernels take bf16/fp16 only")
     x, gate, up, bg, bu = make_case(m, k, i, dtype, bias=True, scale=scale)
     out = _run(kernel, x, gate, up, bg, bu, epilogue)
     check(out, x, gate, up, bg, bu, epilogue)
@@ -285,3 +290,14 @@ def test_repeated_calls_through_the_fast_launch(kernel, m, k, i):
         out = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
         launch(xs, ws, bias, out)
         check(out, xs, gate[:, :k], up[:, :k], bg, bu, "silu")
+
+
+def test_fast_launch_specialization_keys():
+    """The key tells apart what Triton specializes on: alignment, 1, multiples of 16, int32 range."""
+    from swiglu_patch.kernels.launcher import _spec
+
+    t = torch.zeros(64, dtype=torch.float16)
+    assert _spec((t,)) != _spec((t[1:],))  # 2-byte offset: not 16-byte aligned
+    assert _spec((t,)) != _spec((t.float(),))
+    assert len({_spec((v,)) for v in (1, 2, 16, 17, 2**31, -(2**31) - 1)}) == 5  # 2 and 17 alike
+    assert _spec((2,)) == _spec((17,)) and _spec((32,)) == _spec((16,))

@@ -15,13 +15,14 @@ import weakref
 
 import pytest
 import torch
+from helpers import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from swiglu_patch.memory.activation_model import predict_mlp_peak, predict_prefill_peak
 from swiglu_patch.memory.configs import resolve_model
 from swiglu_patch.memory.live_set import LiveSet
-from swiglu_patch.memory.shape import ModelShape
+from swiglu_patch.memory.shape import DECODER_LAYOUTS, ModelShape
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,11 +134,12 @@ def test_bad_sizes_are_refused():
 
 # -- the walk against real HF forwards on CPU --------------------------------------------------
 
-_TINY = dict(hidden_size=64, intermediate_size=224, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, vocab_size=500, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+# tests/helpers.py's tiny models, widened: a larger I and V so the MLP and the logits are
+# distinct phases of the walk; 3 layers so a model mixes sliding and full attention.
+_TINY = dict(intermediate_size=224, num_hidden_layers=3, head_dim=32, vocab_size=500, max_position_embeddings=2048)
 
-# model_type -> (config overrides, attention implementation HF runs by default for it)
-_FAMILIES = {
+# model_type -> (config overrides, the attention implementation HF runs by default for it)
+_LAYOUTS = {
     "llama": ({}, "sdpa"),
     "mistral": ({"sliding_window": None}, "sdpa"),
     "qwen2": ({}, "sdpa"),
@@ -145,20 +147,25 @@ _FAMILIES = {
     "phi3": ({"num_key_value_heads": 4, "head_dim": None, "sliding_window": None}, "sdpa"),
     "gemma3_text": ({"sliding_window": 512, "layer_types": ["sliding_attention", "sliding_attention",
                                                             "full_attention"]}, "sdpa"),
+    "gemma": ({}, "sdpa"),
     "gemma2": ({"sliding_window": 64}, "eager"),
 }
 
 
 def _tiny_model(model_type: str, dtype=torch.bfloat16, **overrides):
-    extra, attn = _FAMILIES[model_type]
+    extra, attn = _LAYOUTS[model_type]
     fields = {**_TINY, **extra, **overrides}
-    fields = {k: v for k, v in fields.items() if v is not None or k == "sliding_window"}
-    config = transformers.CONFIG_MAPPING[model_type](**fields)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    return model.eval().requires_grad_(False)
+    fields = {k: v for k, v in fields.items() if v is not None or k == "sliding_window"}  # None: the config's default
+    model = tiny_model(model_type, dtype=dtype, attn_implementation=attn, **fields)
+    assert model.config._attn_implementation == attn
+    return model.requires_grad_(False)
 
 
-@pytest.mark.parametrize("model_type", sorted(_FAMILIES))
+def test_every_decoder_layout_is_checked_against_live_tensors():
+    assert set(_LAYOUTS) == set(DECODER_LAYOUTS)
+
+
+@pytest.mark.parametrize("model_type", sorted(_LAYOUTS))
 @pytest.mark.parametrize("batch,seq_len", [(1, 192), (3, 64)])
 def test_prefill_walk_matches_live_tensors(model_type, batch, seq_len):
     model = _tiny_model(model_type)
@@ -219,12 +226,14 @@ def _tiny_resolved():
     return ResolvedModel("tiny-llama", "tiny llama", "test", config_from_dict(fields))
 
 
-def test_profile_pipeline_on_cpu_measures_eager_as_predicted():
+def test_profile_pipeline_on_cpu_measures_eager_as_predicted(capsys):
     pytest.importorskip("swiglu_patch.patch")
     from swiglu_patch.memory.profiler import profile_model
 
     rows, info = profile_model(_tiny_resolved(), layers=2, whats=["mlp", "prefill"], batches=[1, 2],
                                seq_lens=[64, 160], dtype="bf16", backend="torch", device="cpu", measure=cpu_measure)
+    err = capsys.readouterr().err  # a progress bar per path over its 8 points
+    assert "tiny-llama eager" in err and "tiny-llama fused" in err and "8/8" in err
     assert info["layers"] == 2 and "patched 2" in info["patch_report"]
     assert len(rows) == 2 * 2 * 2 * 2 and all(r.measured_bytes for r in rows)
     for r in rows:
@@ -304,3 +313,40 @@ def test_memory_cli_rerenders_a_gpu_run_and_flags_misses(tmp_path, capsys):
     assert "-20.0%" in lines[4096] and lines[4096].rstrip(" |").endswith("MISS")
     assert "3/4 measured points within 10%" in out
     assert (tmp_path / "memory_profile.md").exists() and (tmp_path / "memory_profile.png").exists()
+
+
+# -- the plot -----------------------------------------------------------------------------------
+
+LONG_TITLE = ("Peak memory above weights on NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, transformers 5.17.0, "
+              "commit 93f9813); HF eager vs swiglu-patch fused; prefill with logits_to_keep=1 and use_cache=True")
+
+
+@pytest.mark.parametrize("models", [["llama-3.2-1b"], ["llama-3.2-1b", "qwen3-8b", "gemma-3-4b"]])
+def test_profile_plot_tells_batches_apart_and_fits_its_title(models):
+    pytest.importorskip("matplotlib")
+    from swiglu_patch.memory.plotting import profile_figure
+    from swiglu_patch.memory.profiler import predict_rows
+
+    rows = []
+    for name in models:
+        shape = resolve_model(name).shape().truncated(2)
+        rows += [r.to_dict() for r in predict_rows(shape, ["mlp", "prefill"], [1, 2], [512, 2048], 2, 16384)]
+    for r in rows:
+        r["measured_bytes"] = r["predicted_bytes"]
+    fig = profile_figure(rows, title=LONG_TITLE)
+    try:
+        fig.canvas.draw()
+        labels = [t.get_text() for t in fig.legends[0].get_texts()]
+        assert {"eager B=1", "eager B=2", "fused B=1", "fused B=2"} <= set(labels)
+        # every (path, batch) series has its own colour and marker, in every panel
+        for ax in fig.axes:
+            measured = [line for line in ax.get_lines() if line.get_linestyle() == "None"]
+            assert len(measured) == 4 and len({(line.get_color(), line.get_marker()) for line in measured}) == 4
+        box = fig.bbox
+        for artist in (fig._suptitle, fig.legends[0]):  # inside the figure: nothing clipped
+            ext = artist.get_window_extent()
+            assert box.x0 <= ext.x0 and ext.x1 <= box.x1 and box.y0 <= ext.y0 and ext.y1 <= box.y1, (artist, ext, box)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)

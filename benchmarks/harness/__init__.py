@@ -1,0 +1,15 @@
+"""The shared harness of the benchmarks a user runs (`benchmarks/*.py`): nothing here is run
+on its own, and nothing here imports a top-level benchmark.
+
+- `shapes`: the one table of real MLP dimensions (K, I, activation) and token counts;
+- `models`: whole-model dimensions (Llama-3-8B, Qwen2.5-7B, a tiny dry-run model) and
+  `build_model`;
+- `ways`: the ways of computing a gated MLP's first half that `bench_mlp` compares;
+- `accuracy`: the float64 check every way passes before it is timed;
+- `timing`: GPU timers (CUDA-graph replay after a read-only L2 flush, do_bench) and a CPU timer;
+- `host_time`: host time per call from an idle GPU, and rounds of eager-vs-patched turns;
+- `roofline`: the floor a gated GEMM cannot beat, and the measured peaks it is built from;
+- `report_mlp`: `bench_mlp`'s markdown and PNG, pure functions of its JSON;
+- `decode_graph`: greedy decode with the step captured in a CUDA graph;
+- `cli`: one-line command-line errors (exit code 2) and JSON output.
+"""

@@ -1,0 +1,154 @@
+"""`bench_e2e`'s markdown report: pure functions of its results JSON (no GPU, no torch).
+
+Every timed part stores, per mode ("eager", "patched"), the seconds of each round
+(`rounds_s`), their median (`median_s`) and the median rate (`per_s`: tokens/s), and the
+per-round speedup patched / eager (`speedup`: median, min, max, rounds; above 1 is faster
+patched). `host` rows store host µs statistics per mode and `patched_over_eager` (below 1 is
+less host time patched).
+"""
+
+from __future__ import annotations
+
+SCHEMA = 2
+
+# Issue 18's targets: patched / eager speedup of HF generate by cache kind, host time per MLP call.
+GENERATE_TARGETS = {"dynamic": 1.00, "static": 1.02}
+HOST_TARGET = 0.75
+
+
+def leading(a: list, b: list) -> int:
+    """How many leading tokens two greedy decodes share."""
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _f(v, fmt: str) -> str:
+    return "–" if v is None else format(v, fmt)
+
+
+def _speedup(s: dict) -> str:
+    return f"**{s['median']:.3f}x** ({s['min']:.3f}-{s['max']:.3f})"
+
+
+def _verdict(value: float, target: float, higher_is_better: bool) -> str:
+    ok = value >= target if higher_is_better else value <= target
+    return ("met" if ok else "missed") + f" ({'>=' if higher_is_better else '<='} {target:.2f})"
+
+
+def _header(data: dict) -> list[str]:
+    m, env, s = data["model"], data["env"], data["settings"]
+    git, v, gpu = env["git"], env["versions"], env["gpu"]
+    dirty = " (working tree had uncommitted changes)" if git.get("dirty") else ""
+    what = f"{m['label']} shape" + (", dry run on CPU: numbers mean nothing" if s["dry_run"] else "")
+    return [
+        f"# End to end: {what}, eager vs patched (apply_fused_mlp)",
+        "",
+        f"- model: random-init {m['model_type']}, hidden {m['hidden']}, intermediate {m['intermediate']}, "
+        f"{m['heads']} heads / {m['kv_heads']} KV heads, vocab {m['vocab']}, **{m['layers']} of {m['full_layers']} "
+        f"layers**, {m['params'] / 1e9:.2f} B params, {m['dtype']}, {m['attn']}, torch.inference_mode()",
+        f"- GPU: {gpu.get('name')}, driver {gpu.get('driver', '–')}; torch {v.get('torch')}, triton {v.get('triton')}, "
+        f"transformers {v.get('transformers')}, python {v.get('python')}",
+        f"- commit {git['commit']} ({git['source']}){dirty}; measured {env['date_utc']}; host {env['host'].get('cpu')}",
+        f"- {s['stat']}; {s['rounds']} rounds",
+    ]
+
+
+def _prefill(data: dict) -> list[str]:
+    lines = ["", "## Prefill (batch 1, use_cache=True, logits_to_keep=1)", "",
+             "| prompt tokens | eager tok/s | patched tok/s | patched / eager, median (min-max) | "
+             "eager peak extra MiB | patched peak extra MiB |", "|---|---|---|---|---|---|"]
+    for r in data["prefill"]:
+        e, p = r["eager"], r["patched"]
+        lines.append(f"| {r['prompt']} | {e['per_s']:.0f} | {p['per_s']:.0f} | {_speedup(r['speedup'])} | "
+                     f"{_f(e['peak_extra_mib'], '.0f')} | {_f(p['peak_extra_mib'], '.0f')} |")
+    return lines
+
+
+def _generate(data: dict) -> list[str]:
+    s = data["settings"]
+    host = {h["batch"]: h for h in data.get("host", [])}
+    lines = ["", f"## HF generate (greedy, {s['new_tokens']} new tokens forced, prompt {s['prompt']})", "",
+             "tokens/s = batch x new tokens / wall time of the call; speedup = patched tok/s / eager tok/s per "
+             "round. dynamic: the default DynamicCache (host-bound); static: `cache_implementation=\"static\"` "
+             "(on CUDA transformers compiles the forward; the first call, not timed, is in the last column). "
+             "Host µs per MLP call: the `host` section below.", "",
+             "| cache | batch | eager tok/s | patched tok/s | speedup, median (min-max) | target | host µs per MLP "
+             "call, eager / patched | first call s, eager / patched |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["generate"]:
+        h = host.get(r["batch"])
+        host_cell = f"{h['eager']['median_us']:.1f} / {h['patched']['median_us']:.1f}" if h else "–"
+        first = r["first_call_s"]
+        lines.append(f"| {r['cache']} | {r['batch']} | {r['eager']['per_s']:.1f} | {r['patched']['per_s']:.1f} | "
+                     f"{_speedup(r['speedup'])} | "
+                     f"{_verdict(r['speedup']['median'], GENERATE_TARGETS[r['cache']], True)} | {host_cell} | "
+                     f"{first['eager']:.1f} / {first['patched']:.1f} |")
+    lines += ["", "Per-round speedups:", ""]
+    for r in data["generate"]:
+        lines.append(f"- {r['cache']}, batch {r['batch']}: " + ", ".join(f"{x:.3f}" for x in r["speedup"]["rounds"]))
+    return lines
+
+
+def _graph(data: dict) -> list[str]:
+    lines = ["", "## Decode, the step captured in a CUDA graph (static KV cache, greedy)", "",
+             "`harness/decode_graph.py`: the prompt as one forward, then one graph replay per token (uncaptured on "
+             "CPU); ms per step = CUDA-event time of the replays / (new - 1).", "",
+             "| batch | eager ms/step | patched ms/step | eager tok/s | patched tok/s | speedup, median (min-max) |",
+             "|---|---|---|---|---|---|"]
+    for r in data["graph"]:
+        e, p = r["eager"], r["patched"]
+        lines.append(f"| {r['batch']} | {e['median_s'] * 1e3:.3f} | {p['median_s'] * 1e3:.3f} | {e['per_s']:.1f} | "
+                     f"{p['per_s']:.1f} | {_speedup(r['speedup'])} |")
+    return lines
+
+
+def _host(data: dict) -> list[str]:
+    lines = ["", "## Host time per MLP call (layer 0's MLP, x [batch, 1, hidden], from an idle device)", "",
+             "Each call timed alone after a synchronize: the Python, dispatcher and launch work a host-bound "
+             "decode step pays per layer. Median (p10-p90) over the calls.", "",
+             "| batch | eager `forward` µs | patched `forward` µs | patched / eager | target |", "|---|---|---|---|---|"]
+    for r in data["host"]:
+        e, p = r["eager"], r["patched"]
+        lines.append(f"| {r['batch']} | {e['median_us']:.1f} ({e['p10_us']:.1f}-{e['p90_us']:.1f}) | "
+                     f"{p['median_us']:.1f} ({p['p10_us']:.1f}-{p['p90_us']:.1f}) | {r['patched_over_eager']:.3f} | "
+                     f"{_verdict(r['patched_over_eager'], HOST_TARGET, False)} |")
+    return lines
+
+
+def _agreement(data: dict) -> list[str]:
+    a = data["agreement"]
+    lines = ["", "## Agreement of patched with eager", "",
+             f"- logits on a {a['probe_tokens']}-token prompt: max |diff| {a['max_abs_logit_diff']:.3g}, relative "
+             f"{a['rel_logit_diff']:.2e}, top-1 agreement {a['top1_agree']:.4f}"]
+    if a["generate_leading_tokens"]:
+        lines.append("- leading greedy tokens equal, eager vs patched `generate` (first sequence; a random-init "
+                     "model's logits are near ties, so one 16-bit rounding difference ends the agreement): "
+                     + ", ".join(f"{g['cache']} batch {g['batch']}: {g['equal']} of {g['of']}"
+                                 for g in a["generate_leading_tokens"]))
+    return lines + ["", "```", data["patch_report"], "```"]
+
+
+def render_markdown(data: dict) -> str:
+    """The whole report as markdown."""
+    lines = _header(data)
+    for key, part in (("prefill", _prefill), ("generate", _generate), ("graph", _graph), ("host", _host)):
+        if data.get(key):
+            lines += part(data)
+    return "\n".join(lines + _agreement(data)) + "\n"
+
+
+def summary_lines(data: dict) -> list[str]:
+    """The speedups and host ratios, one line each, for the terminal."""
+    out = [f"[bench_e2e] {data['model']['label']}, {data['model']['layers']} layers, "
+           f"{data['env']['gpu'].get('name')}, commit {data['env']['git']['commit']}"]
+    for r in data.get("prefill", []):
+        out.append(f"  prefill {r['prompt']:6d}            patched/eager {r['speedup']['median']:.3f}x")
+    for r in data.get("generate", []):
+        s = r["speedup"]
+        out.append(f"  generate {r['cache']:7s} batch {r['batch']:3d} patched/eager {s['median']:.3f}x "
+                   f"({s['min']:.3f}-{s['max']:.3f}), {_verdict(s['median'], GENERATE_TARGETS[r['cache']], True)}")
+    for r in data.get("graph", []):
+        out.append(f"  graph decode batch {r['batch']:3d}    patched/eager {r['speedup']['median']:.3f}x")
+    for r in data.get("host", []):
+        out.append(f"  host per MLP call, batch {r['batch']:3d}: {r['eager']['median_us']:.1f} -> "
+                   f"{r['patched']['median_us']:.1f} us ({r['patched_over_eager']:.3f}, "
+                   f"{_verdict(r['patched_over_eager'], HOST_TARGET, False)})")
+    return out

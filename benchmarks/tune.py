@@ -1,0 +1,427 @@
+"""Sweep launch configs of the fused gated GEMM per (shape, M), against cuBLAS and against what
+the rules ship: where a rule of `swiglu_patch.kernels.rules` gets its kernel and config.
+
+    python -m benchmarks.tune --out OUT --sweep buckets [--shapes ...] [--tokens ...]  # tiles per M bucket
+    python -m benchmarks.tune --out OUT --sweep decode --tokens 1 4 16 [--tp-shards]   # decode pointer tiles
+    python -m benchmarks.tune --out OUT --sweep gemv --tokens 1                        # one-token GEMV tiles
+    python -m benchmarks.tune --out OUT --sweep grid --tokens 2 8 16 32 64 128 --with-liger  # grid TMA tiles
+    python -m benchmarks.tune --out OUT --sweep tail --tokens 256 512 1024 2048        # TMA split tail
+    python -m benchmarks.tune --dry-run --out /tmp/tune                                # CPU interpreter
+
+For each shape and M, every candidate of the sweep (a kernel name and a `GatedGemmConfig`)
+runs once through `dispatch.gated_gemm(x, w, act, out=out, config=cfg, kernel=name)` and is
+checked against float64 on sampled rows (`harness/accuracy.py`); a wrong or failing candidate
+is recorded and never timed. The candidates that pass are timed together with cuBLAS on the
+stacked weight (`gemm_only`) and with `shipped`, the call with kernel="auto" (what the rules
+choose: `dispatch.choose` names the rule), by `harness/timing.GraphTimer`: CUDA-graph replays
+after a read-only L2 flush, interleaved in rounds. A call captured into a graph takes the
+rules for captured calls, so `shipped` is labelled with those, and every replayed output is
+checked against float64 too.
+
+Writes OUT/tune.json (rows: shape, m, bucket, label, kernel, config, status, rel_err, ms,
+gemm_only_ms, ratio; env: GPU, versions, commit) after every shape, and OUT/tune.md: per
+(shape, M) the shipped and the best candidate's ratio to gemm_only, and per M bucket the
+candidate with the best geometric-mean ratio over the shapes (what a rule's config is copied
+from; the rule then cites the JSON in `sweep`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
+    # the dry run's interpreter must be on before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from swiglu_patch.kernels.configs import GatedGemmConfig as C  # noqa: E402
+from swiglu_patch.kernels.configs import m_bucket  # noqa: E402
+from swiglu_patch.provenance import environment  # noqa: E402
+
+from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error  # noqa: E402
+from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json  # noqa: E402
+from .harness.shapes import DRY_RUN_SHAPES, SHAPES, TP_SHARD_SHAPES, select_shapes  # noqa: E402
+
+PROG = "python -m benchmarks.tune"
+TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+# -- the candidates ------------------------------------------------------------------------------
+# Pointer tiles per M range (the bucket sweep): decode tiles read 2 x 16-64 weight rows, deep pipelines.
+POINTER_TILES = [
+    C(16, 16, 256, num_warps=4, num_stages=4), C(16, 16, 512, num_warps=4, num_stages=3),
+    C(16, 32, 128, num_warps=4, num_stages=4), C(16, 32, 256, num_warps=4, num_stages=4),
+    C(16, 64, 128, num_warps=4, num_stages=4), C(16, 64, 256, num_warps=4, num_stages=3),
+    C(32, 32, 256, num_warps=4, num_stages=4), C(32, 64, 128, num_warps=4, num_stages=4),
+    C(64, 32, 128, num_warps=4, num_stages=4), C(64, 64, 64, num_warps=4, num_stages=4),
+    C(64, 64, 128, num_warps=4, num_stages=4), C(64, 128, 64, num_warps=4, num_stages=4),
+    C(128, 128, 64, num_warps=8, num_stages=4),
+]
+# Persistent TMA tiles, M >= 48: one [BM, 2*BN] accumulator; 128-row tiles also warp-specialized.
+TMA_TILES = [
+    C(128, 128, 64, group_m=8, num_warps=8, num_stages=3), C(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    C(128, 64, 64, group_m=8, num_warps=4, num_stages=4), C(64, 128, 64, group_m=8, num_warps=4, num_stages=4),
+    C(64, 64, 128, group_m=8, num_warps=4, num_stages=4), C(64, 64, 64, group_m=8, num_warps=4, num_stages=6),
+]
+# Decode (M <= 16) pointer tiles: long K blocks (1-2 KB per weight-row segment) and 1-2 stage
+# tiles that hide latency by occupancy; the persistent TMA kernel's small-M tiles beside them.
+DECODE_TILES = [
+    C(16, 32, 128, num_warps=4, num_stages=4), C(16, 32, 256, num_warps=4, num_stages=4),
+    C(16, 64, 256, num_warps=4, num_stages=3), C(16, 64, 128, num_warps=4, num_stages=4),
+    C(16, 16, 512, num_warps=4, num_stages=3), C(16, 32, 512, num_warps=4, num_stages=2),
+    C(16, 32, 128, num_warps=4, num_stages=2), C(16, 64, 128, num_warps=4, num_stages=2),
+    C(16, 32, 256, num_warps=4, num_stages=1),
+]
+DECODE_TMA_TILES = [C(16, 32, 256, group_m=1, num_warps=4, num_stages=4), C(16, 64, 128, group_m=1, num_warps=4,
+                                                                            num_stages=5)]
+# The one-token GEMV: block_n output columns (block_n / 16 gate/up blocks) per program, block_k
+# inputs per step, num_warps; all at <= 128 registers per thread on sm_90.
+GEMV_TILES = [
+    C(1, 16, 128, num_warps=4, num_stages=1), C(1, 16, 256, num_warps=4, num_stages=1),
+    C(1, 16, 512, num_warps=8, num_stages=1), C(1, 32, 128, num_warps=4, num_stages=1),
+    C(1, 32, 256, num_warps=8, num_stages=1), C(1, 64, 64, num_warps=4, num_stages=1),
+    C(1, 64, 128, num_warps=8, num_stages=1),
+]
+# 17 <= M <= 64, pointer tiles of small shared-memory footprint (several programs per SM).
+MID_OCCUPANCY_TILES = [
+    C(32, 64, 128, num_warps=4, num_stages=2), C(32, 64, 128, num_warps=4, num_stages=3),
+    C(32, 64, 64, num_warps=4, num_stages=3), C(32, 64, 64, num_warps=4, num_stages=4),
+    C(32, 32, 128, num_warps=4, num_stages=3), C(64, 64, 128, num_warps=4, num_stages=2),
+    C(64, 64, 64, num_warps=4, num_stages=3), C(64, 128, 64, num_warps=4, num_stages=2),
+]
+# Persistent TMA tiles small enough for 2-4 programs per SM (<= 112 KB of shared memory each).
+PAIRED_TILES = [
+    C(64, 64, 128, group_m=4, num_warps=4, num_stages=2), C(32, 128, 128, group_m=4, num_warps=4, num_stages=2),
+    C(32, 64, 128, group_m=4, num_warps=4, num_stages=2), C(128, 64, 64, group_m=8, num_warps=4, num_stages=3),
+    C(128, 64, 32, group_m=8, num_warps=4, num_stages=4),
+]
+
+
+def grid_tiles(m: int) -> list[C]:
+    """The grid kernel's tiles for m: 16/32-row (M <= 16) or 32/64-row, 2x64 or 2x128 weight rows,
+    BLOCK_K 64/128, 2-3 stages; four prefill-like tiles beyond M = 64."""
+    if m > 64:
+        return [C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), C(64, 64, 128, group_m=8, num_warps=4, num_stages=4),
+                C(128, 64, 64, group_m=8, num_warps=4, num_stages=4), C(128, 128, 64, group_m=8, num_warps=8, num_stages=3)]
+    return [C(bm, bn, bk, group_m=4, num_warps=4, num_stages=s)
+            for bm in ((16, 32) if m <= 16 else (32, 64)) for bn in (64, 128) for bk in (64, 128) for s in (2, 3)]
+
+
+def _ptr(cfgs) -> list[tuple[str, C]]:
+    return [("pointer", c) for c in cfgs]
+
+
+def sweep_buckets(m, k, i, shipped):
+    """Pointer tiles of m's size class; persistent TMA tiles from M = 48 (128-row ones with and
+    without warp specialization and the split tail)."""
+    ptr = [c for c in POINTER_TILES if (m <= 16 and c.block_m <= 16) or (16 < m <= 64 and 16 < c.block_m <= 64)
+           or (64 < m <= 256 and c.block_m == 64) or (m > 256 and c.block_m == 128)]
+    tma = [dataclasses.replace(c, warp_specialize=ws, split_tail=st) for c in TMA_TILES
+           if m >= 48 and (m < 512 or c.block_m == 128)
+           for ws in ((False, True) if c.block_m == 128 else (False,)) for st in ((False, True) if m > 64 else (False,))]
+    return _ptr(ptr) + [("tma", c) for c in tma]
+
+
+def sweep_decode(m, k, i, shipped):
+    """M <= 16: the pointer tile the rules give, the decode tiles, the persistent TMA small-M tiles."""
+    return _ptr(dict.fromkeys([shipped("pointer", 16)] + DECODE_TILES)) + [("tma", c) for c in DECODE_TMA_TILES]
+
+
+def sweep_gemv(m, k, i, shipped):
+    """M = 1: the pointer tile the M <= 16 rules give against the GEMV's tiles."""
+    return _ptr([shipped("pointer", 16)]) + ([("gemv", c) for c in GEMV_TILES] if m == 1 else [])
+
+
+def sweep_grid(m, k, i, shipped):
+    """The one-program-per-tile TMA kernel, each tile with one and with two weight boxes."""
+    return [("grid", dataclasses.replace(c, weight_boxes=b)) for c in grid_tiles(m) for b in (1, 2)]
+
+
+def sweep_tail(m, k, i, shipped):
+    """The TMA tile the rules give for m and a 128x(2x64) one, each with the split tail off and on."""
+    tiles = dict.fromkeys([shipped("tma", max(m, 65)), C(128, 64, 64, group_m=8, num_warps=8, num_stages=5)])
+    return [("tma", dataclasses.replace(c, split_tail=s)) for c in tiles for s in (False, True)]
+
+
+def sweep_midocc(m, k, i, shipped):
+    """17 <= M <= 64: the pointer tile of m's bucket rule against low-footprint pointer tiles."""
+    return _ptr(dict.fromkeys([shipped("pointer", m)] + MID_OCCUPANCY_TILES))
+
+
+def sweep_paired(m, k, i, shipped):
+    """Persistent TMA tiles with 1, 2 and (32-row tiles) 4 programs per SM."""
+    return [("tma", dataclasses.replace(c, programs_per_sm=p)) for c in PAIRED_TILES
+            for p in ((1, 2, 4) if c.block_m == 32 else (1, 2))]
+
+
+SWEEPS = {"buckets": sweep_buckets, "decode": sweep_decode, "gemv": sweep_gemv, "grid": sweep_grid,
+          "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired}
+SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default)",
+              "decode": "pointer tiles at M <= 16, and TMA small-M tiles", "gemv": "GEMV tiles at M = 1",
+              "grid": "one-program-per-tile TMA tiles, 1 and 2 weight boxes", "tail": "TMA split tail off and on",
+              "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
+              "paired": "persistent TMA tiles with 1-4 programs per SM"}
+TMA_KERNELS = ("tma", "grid")
+
+
+def label(kernel: str, config: C) -> str:
+    return f"{kernel} {config.short()}"
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True, help="folder for tune.json and tune.md")
+    p.add_argument("--sweep", choices=sorted(SWEEPS), default="buckets",
+                   help="; ".join(f"{n}: {what}" for n, what in SWEEP_HELP.items()))
+    p.add_argument("--shapes", nargs="+", help="shape names (default: all of the table)")
+    p.add_argument("--tp-shards", action="store_true", help="the tensor-parallel shard shapes instead")
+    p.add_argument("--tokens", nargs="+", type=int, help=f"token counts M (default {' '.join(map(str, TOKENS))})")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--rep-ms", type=float, default=30.0, help="timed calls per candidate and row (ms of GPU time)")
+    p.add_argument("--with-liger", action="store_true", help="time Liger's gemm_swiglu in SiLU rows too")
+    p.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds (0: none)")
+    p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, Triton's interpreter, fp16, tiny shapes, two candidates per row: checks the pipeline")
+    args = p.parse_args(argv)
+    if args.tokens and min(args.tokens) < 1:
+        p.error(f"--tokens must be positive, got {args.tokens}")
+    table = DRY_RUN_SHAPES if args.dry_run else (TP_SHARD_SHAPES if args.tp_shards else SHAPES)
+    try:
+        args.shape_list = select_shapes(args.shapes, table)
+    except ValueError as e:
+        p.error(str(e))
+    args.tokens = args.tokens or ([1, 7] if args.dry_run else list(TOKENS))
+    return args
+
+
+def _dispatch(dry_run: bool):
+    """The dispatcher; a dry run needs Triton's interpreter, on since before Triton was imported."""
+    import triton.language as tl
+
+    from swiglu_patch.kernels import dispatch
+
+    if dry_run and not (dispatch.interpreting() and type(tl.cdiv).__name__ == "InterpretedFunction"):
+        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
+                         "imported: run `TRITON_INTERPRET=1 python -m benchmarks.tune --dry-run ...`")
+    return dispatch
+
+
+def _sync(x: torch.Tensor) -> None:
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generator) -> list[dict]:
+    """Check and time every candidate of one (shape, M), with gemm_only and shipped."""
+    x, w, stacked, act, ref = ops["x"], ops["packed"].weight, ops["stacked"], shape.activation, ops["ref"]
+    k, i, dtype = shape.hidden, shape.intermediate, x.dtype
+    gpu = torch.cuda.get_device_name() if x.is_cuda else "cpu"
+    capability = torch.cuda.get_device_capability() if x.is_cuda else None
+    captured = x.is_cuda  # the graph timer captures every call
+
+    def shipped(kernel: str, at_m: int) -> C | None:
+        """The config of the first rule for `kernel` that matches this shape at M = at_m (eager)."""
+        key = dispatch.CallKey(gpu, capability, dtype, m_bucket(at_m), k, i, False)
+        return next((r.config for _, r in dispatch.candidates(key) if r.kernel == kernel), None)
+
+    n_rule, rule, cfg = dispatch.choose(gpu, dtype, m, k, i, captured=captured, capability_=capability)
+    cands = [("shipped", f"shipped: rule {n_rule} {rule.kernel} {cfg.short()}", "auto", None)]
+    picked = [(kn, c) for kn, c in SWEEPS[args.sweep](m, k, i, shipped) if c is not None]
+    cands += [("candidate", label(kn, c), kn, c) for kn, c in (picked[:2] if args.dry_run else picked)]
+    idx = check_rows(m, 16, gen).to(x.device)
+    want = ref.gated(x.index_select(0, idx))
+    bound = REL_ERR_BOUNDS[dtype]
+    base = dict(shape=shape.name, m=m, bucket=m_bucket(m), K=k, I=i, activation=act)
+    rows, fns = [], {"gemm_only": lambda: x @ stacked.T}
+    for role, name, kernel, config in cands:
+        row = dict(base, label=name, role=role, kernel=kernel, config=dataclasses.asdict(config) if config else None)
+        rows.append(row)
+        if kernel in TMA_KERNELS and not x.is_cuda:
+            row.update(status="skipped", reason="TMA kernels need a Hopper GPU")
+            continue
+        out = torch.full((m, i), float("nan"), dtype=dtype, device=x.device)
+        fn = (lambda out=out, kernel=kernel, config=config:
+              dispatch.gated_gemm(x, w, act, out=out, config=config, kernel=kernel))
+        t0 = time.perf_counter()
+        try:
+            fn()
+            _sync(x)
+        except Exception as e:  # noqa: BLE001  (out of shared memory or registers, cannot run: record, go on)
+            row.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
+            continue
+        row["first_call_s"] = time.perf_counter() - t0
+        err = rel_error(out.index_select(0, idx), want) if not out.isnan().any().item() else math.inf
+        replayed = timer.replayed_output(fn) if hasattr(timer, "replayed_output") else None
+        if replayed is not None:  # what the graph timer times
+            err = max(err, rel_error(replayed.index_select(0, idx), want) if not replayed.isnan().any().item()
+                      else math.inf)
+        row["rel_err"] = err
+        if not err <= bound:
+            row.update(status="failed", reason=f"relative error {err:.2e} > bound {bound:.1e} (or NaN in the output)")
+            continue
+        row["status"] = "ok"
+        fns[name] = fn
+    if args.with_liger and act == "silu" and x.is_cuda:
+        from .harness.ways import Operands, build
+
+        liger = build("liger", Operands(x, stacked, ops["gate"], ops["up"], ops["packed"], act, "auto"))
+        err = rel_error(liger().index_select(0, idx), want)
+        rows.append(dict(base, label="liger", role="liger", kernel="liger", config=None, rel_err=err,
+                         status="ok" if err <= bound else "failed"))
+        if err <= bound:
+            fns["liger"] = liger
+    secs = _time_all(timer, fns, rows, x)
+    if "gemm_only" not in secs:
+        return rows
+    t_gemm = secs["gemm_only"] * 1e3
+    for row in rows:
+        if row["label"] in secs:
+            row.update(ms=secs[row["label"]] * 1e3, gemm_only_ms=t_gemm, ratio=secs[row["label"]] * 1e3 / t_gemm)
+    return rows
+
+
+def _time_all(timer, fns: dict, rows: list[dict], x: torch.Tensor) -> dict[str, float]:
+    """{label: seconds} of every callable timed together; if that raises, each alone, and a
+    callable that still fails is recorded as an error in its row."""
+    try:
+        return timer.many(fns)
+    except Exception:  # noqa: BLE001  (time one by one, so one bad candidate loses only itself)
+        _sync(x)
+    secs = {}
+    for name, fn in fns.items():
+        try:
+            secs.update(timer.many({name: fn}))
+        except Exception as e:  # noqa: BLE001
+            _sync(x)
+            for row in rows:
+                if row["label"] == name:
+                    row.update(status="error", reason=f"timing: {type(e).__name__}: {str(e)[:300]}")
+    return secs
+
+
+def best_per_bucket(rows: list[dict]) -> dict[int, tuple[float, str, int]]:
+    """{bucket: (geometric-mean ratio to gemm_only, candidate label, rows)} over the candidates
+    timed in every (shape, M) row of the bucket."""
+    acc: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if r.get("ratio") and r["role"] == "candidate":
+            acc[r["bucket"]][r["label"]].append(math.log(r["ratio"]))
+    out = {}
+    for bucket, by_label in sorted(acc.items()):
+        n = max(len(v) for v in by_label.values())
+        score, name = min((sum(v) / n, lab) for lab, v in by_label.items() if len(v) == n)
+        out[bucket] = (math.exp(score), name, n)
+    return out
+
+
+def render_markdown(data: dict) -> str:
+    env, rows = data["env"], data["rows"]
+    git, v = env["git"], env["versions"]
+    lines = [f"# Sweep `{data['sweep']}` ({data['dtype']}){' (dry run: numbers mean nothing)' if data['dry_run'] else ''}",
+             "", f"- GPU: {env['gpu'].get('name')}; torch {v.get('torch')}, triton {v.get('triton')}",
+             f"- commit {git['commit']} ({git['source']}); measured {env['date_utc']}", f"- timer: {data['timer']}",
+             "", "| shape | M | gemm_only µs | shipped / gemm_only | best candidate / gemm_only | best candidate |",
+             "|---|---|---|---|---|---|"]
+    by_row: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_row[(r["shape"], r["m"])].append(r)
+    for (shape, m), rs in by_row.items():
+        shipped = next((r for r in rs if r["role"] == "shipped"), {})
+        timed = [r for r in rs if r["role"] == "candidate" and r.get("ratio")]
+        best = min(timed, key=lambda r: r["ratio"], default=None)
+        gemm = next((r["gemm_only_ms"] for r in rs if r.get("gemm_only_ms")), None)
+        lines.append(f"| {shape} | {m} | {gemm * 1e3:.1f} | " if gemm else f"| {shape} | {m} | – | ")
+        lines[-1] += (f"{shipped['ratio']:.3f} | " if shipped.get("ratio") else "– | ") + (
+            f"{best['ratio']:.3f} | {best['label']} |" if best else "– | – |")
+    lines += ["", "Best candidate per M bucket (geometric mean of the ratio to gemm_only over its (shape, M) rows):",
+              ""]
+    for bucket, (score, name, n) in best_per_bucket(rows).items():
+        lines.append(f"- bucket {bucket}: {score:.3f}x over {n} row(s): {name}")
+    bad = sorted({f"- {r['label']}: {r['status']}: {r.get('reason', '')}" for r in rows
+                  if r.get("status") in ("error", "failed", "skipped")})
+    if bad:
+        lines += ["", "Not timed:", "", *bad]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> dict:
+    dispatch = _dispatch(args.dry_run)
+    if args.dry_run:
+        from .harness.timing import CpuTimer
+
+        device, dtype, timer = torch.device("cpu"), torch.float16, CpuTimer(reps=1)
+    else:
+        require_cuda(PROG)
+        from .harness.timing import GraphTimer
+
+        device, dtype, timer = torch.device("cuda"), DTYPES[args.dtype], GraphTimer(warmup_ms=5, rep_ms=args.rep_ms,
+                                                                                     rounds=3)
+        if args.with_liger:
+            from .harness.ways import fast_liger_autotune
+
+            fast_liger_autotune(5, 20)
+    from swiglu_patch import pack_gate_up
+
+    data = dict(schema=1, kind="tune", sweep=args.sweep, dtype=str(dtype).removeprefix("torch."),
+                dry_run=args.dry_run, env=environment(device, args.commit), timer=timer.describe(),
+                tokens=args.tokens, shapes=[s.name for s in args.shape_list], rows=[])
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    cpu_gen = torch.Generator().manual_seed(args.seed)
+    t_start = time.perf_counter()
+    for shape in args.shape_list:
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            print(f"[tune] out of --budget-s: {shape.name} not measured", flush=True)
+            continue
+        k, i = shape.hidden, shape.intermediate
+        stacked = torch.randn(2 * i, k, generator=gen, device=device, dtype=dtype).mul_(k**-0.5)
+        gate, up = stacked[:i], stacked[i:]
+        ops = dict(stacked=stacked, gate=gate, up=up, packed=pack_gate_up(gate, up), ref=Reference(gate, up,
+                                                                                                   shape.activation))
+        for m in args.tokens:
+            ops["x"] = torch.randn(m, k, generator=gen, device=device, dtype=dtype)
+            rows = run_row(shape, m, ops, args, dispatch, timer, cpu_gen)
+            data["rows"] += rows
+            timed = [r for r in rows if r["role"] == "candidate" and r.get("ratio")]
+            best = min(timed, key=lambda r: r["ratio"], default=None)
+            ship = next(r for r in rows if r["role"] == "shipped")
+            print(f"[tune] {shape.name:14s} M={m:6d} shipped {ship.get('ratio', float('nan')):.3f}  best "
+                  + (f"{best['ratio']:.3f} {best['label']}" if best else "–"), flush=True)
+        del stacked, gate, up, ops
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write_json(data, args.out / "tune.json")
+    return data
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring); 2 on a bad argument, with one line on stderr."""
+    return guarded(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    data = run(args)
+    write_json(data, args.out / "tune.json")
+    (args.out / "tune.md").write_text(render_markdown(data))
+    print(render_markdown(data).split("Best candidate")[1] if data["rows"] else "nothing measured")
+    print(f"[tune] wrote {args.out / 'tune.json'} and tune.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/bench_e2e.py on CPU: the dry run exercises every part (prefill, generate with a
+dynamic and a static cache, the uncaptured graph decode, host time per MLP call) on a tiny model
+of each shape, the report renders from the JSON alone, and bad arguments are one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_e2e
+
+SMALL = ["--batches", "1", "--rounds", "2", "--prefill", "16", "--new-tokens", "3", "--host-calls", "4"]
+
+
+def _dry_run(tmp_path, *extra) -> dict:
+    assert bench_e2e.main(["--dry-run", "--out", str(tmp_path), "--commit", "abc123", *SMALL, *extra]) == 0
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def test_dry_run_exercises_every_part_and_renders(tmp_path):
+    data = _dry_run(tmp_path)
+    assert data["kind"] == "bench_e2e" and data["env"]["git"]["commit"] == "abc123"
+    assert data["model"]["layers"] == 2 and "patched 2 MLP" in data["patch_report"]
+    assert [p["prompt"] for p in data["prefill"]] == [16]
+    assert [(g["cache"], g["batch"]) for g in data["generate"]] == [("dynamic", 1), ("static", 1)]
+    for part in ("prefill", "generate", "graph"):
+        for row in data[part]:
+            for mode in ("eager", "patched"):
+                assert len(row[mode]["rounds_s"]) == 2 and row[mode]["per_s"] > 0
+            s = row["speedup"]
+            assert len(s["rounds"]) == 2 and s["min"] <= s["median"] <= s["max"]
+            assert s["rounds"][0] == pytest.approx(row["eager"]["rounds_s"][0] / row["patched"]["rounds_s"][0])
+    for g in data["generate"]:
+        assert all(len(t) == 3 for t in g["tokens"].values())  # min_new_tokens held
+        assert g["compiled"] is False  # transformers compiles a static cache's forward on CUDA only
+    assert [len(g["tokens"]["eager"]) for g in data["graph"]] == [3]
+    host = data["host"][0]
+    assert host["batch"] == 1 and host["eager"]["calls"] == 4 and host["patched"]["median_us"] > 0
+    assert data["agreement"]["top1_agree"] > 0.5
+    assert [g["cache"] for g in data["agreement"]["generate_leading_tokens"]] == ["dynamic", "static"]
+    md = (tmp_path / "results.md").read_text()
+    for heading in ("## Prefill", "## HF generate", "## Decode, the step captured", "## Host time per MLP call",
+                    "## Agreement"):
+        assert heading in md
+    assert "| static | 1 |" in md and "dry run on CPU" in md and "abc123" in md
+    (tmp_path / "results.md").unlink()
+    assert bench_e2e.main(["--render", str(tmp_path / "results.json")]) == 0
+    assert (tmp_path / "results.md").read_text() == md
+
+
+def test_dry_run_of_the_qwen_shape(tmp_path):
+    data = _dry_run(tmp_path, "--shape", "qwen2.5-7b", "--rounds", "1", "--parts", "generate", "host")
+    assert data["model"]["model_type"] == "qwen2" and "prefill" not in data and "graph" not in data
+    assert [g["cache"] for g in data["generate"]] == ["dynamic", "static"] and data["host"]
+
+
+def test_parts_and_caches_narrow_the_run(tmp_path):
+    data = _dry_run(tmp_path, "--rounds", "1", "--parts", "generate", "--cache", "static")
+    assert [g["cache"] for g in data["generate"]] == ["static"]
+    assert not {"prefill", "graph", "host"} & set(data)
+    md = (tmp_path / "results.md").read_text()
+    assert "## HF generate" in md and "## Prefill" not in md
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dry-run"], "--out is required"),
+    (["--dry-run", "--out", "X", "--shape", "llama-9000"], "invalid choice: 'llama-9000'"),
+    (["--dry-run", "--out", "X", "--cache", "paged"], "invalid choice: 'paged'"),
+    (["--dry-run", "--out", "X", "--batches", "0"], "expected a positive integer, got 0"),
+    (["--dry-run", "--out", "X", "--new-tokens", "1"], "--new-tokens must be >= 2"),
+    (["--out", "X", "--layers", "40"], "--layers 40: Llama-3-8B has 32"),
+    (["--render", "missing.json"], "missing.json: no such file"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_render_refuses_another_schema(tmp_path, capsys):
+    (tmp_path / "old.json").write_text(json.dumps({"kind": "bench_e2e", "schema": 1}))
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main(["--render", str(tmp_path / "old.json")])
+    assert e.value.code == 2 and "schema 2" in capsys.readouterr().err

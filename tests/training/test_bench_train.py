@@ -1,0 +1,43 @@
+"""benchmarks/bench_train.py: the targets' verdicts by hand, and the whole script on CPU (--dry-run)."""
+
+import json
+
+import pytest
+
+from benchmarks.bench_train import MIB, Row, main, targets
+
+ROW = Row("llama-3-8b", 4096, 14336, "silu", 4096, "bfloat16")
+
+
+def test_targets_by_hand():
+    ways = {"hf_eager": {"ms": 6.0, "peak_mib": 784}, "liger_swiglu (LigerSwiGLUMLP)": {"ms": 5.9, "peak_mib": 560},
+            "ours_store": {"ms": 5.6, "saved_mib": 224, "peak_mib": 592},
+            "ours_recompute": {"ms": 7.0, "saved_mib": 0}}
+    t = targets(ROW, ways)
+    assert t["store: time <= 0.95 x HF eager"] is True  # 5.6 <= 5.7
+    assert t["store: faster than every other way"] is True
+    assert t["store: saved <= 2*M*I*2 bytes"] is True  # 224 MiB is the budget exactly
+    assert t["store: peak <= Liger elementwise's"] is False
+    assert t["recompute: time <= 1.15 x HF eager"] is False  # 7.0 > 6.9
+    assert t["recompute: saved <= 0.1*M*I elements"] is True
+    ways["ours_store"]["saved_mib"] = 2 * 4096 * 14336 * 2 / MIB + 1
+    ways["ours_store"]["ms"] = 5.95
+    t = targets(ROW, ways)
+    assert t["store: saved <= 2*M*I*2 bytes"] is False and t["store: faster than every other way"] is False
+    assert targets(ROW, {"hf_eager": {"error": "x"}})["store: time <= 0.95 x HF eager"] is None
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_section(tmp_path):
+    assert main(["--dry-run", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "train.json").read_text())
+    assert results["correctness"] and all(
+        e["pass"] for r in results["correctness"] for errs in r["modes"].values() for e in errs.values())
+    assert all("error" not in p for p in results["parts"].values())
+    tiles = next(iter(results["tiles"].values()))
+    assert tiles["backward_best"] and tiles["forward_preact_best"]
+    assert tiles["ours_store_fwd_bwd"]["best_ms"] > 0 and tiles["ours_store_fwd_bwd"]["rules_ms"] > 0
+    for row in results["table"]:
+        for way in ("hf_eager", "ours_store", "ours_recompute"):
+            assert "ms" in row["ways"][way], (way, row["ways"][way])
+    assert "| ours_store |" in (tmp_path / "train.md").read_text()

@@ -1,0 +1,115 @@
+"""The registered ops around `gated_mlp`: opcheck, what the forward saves, torch.compile, errors.
+
+What each mode may save for the backward, beyond x and the weights (the issue's budget):
+store the interleaved pre-activation P [M, 2*I] and nothing else; recompute nothing.
+"""
+
+import pytest
+import torch
+from helpers import DEVICE, KERNEL_DTYPES, make_case, packed_of
+
+from swiglu_patch.kernels.layout import PackedGateUp
+from swiglu_patch.training import _dpreact_op, _gated_mlp_op, gated_mlp
+
+BACKEND = "triton"  # under the interpreter on CPU
+
+
+def _leaves(m=9, k=32, i=24, dtype=None, bias=True, requires_grad=True):
+    dtype = dtype or KERNEL_DTYPES[-1]
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
+    wd = (torch.randn(k, i, device=DEVICE) / i**0.5).to(dtype)
+    bd = torch.randn(k, device=DEVICE).to(dtype) if bias else None
+    tensors = [x, packed_of(gate, up), packed_of(bg, bu), wd, bd]
+    return [t.requires_grad_(requires_grad) if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize("backend", ["torch", BACKEND])
+@pytest.mark.parametrize("store", [True, False])
+def test_opcheck_gated_mlp(backend, store):
+    """Schema, fake tensor and autograd registration; AOT dispatch (what torch.compile traces)
+    where P is not an output the caller keeps: store mode's backward writes dP over the P it
+    returned, which a caller holding P would see (the functional never hands P out; its
+    compile is tested below)."""
+    args = (*_leaves(dtype=torch.float32), "silu", 1.0, 1.0, 0, 0.0, store, backend)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if not store:
+        utils += ("test_aot_dispatch_dynamic",)
+    result = torch.library.opcheck(_gated_mlp_op, args, test_utils=utils)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("backend", ["torch", BACKEND])
+def test_opcheck_dpreact(backend):
+    m, k, i = 9, 32, 24
+    args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE), torch.randn(m, 2 * i, device=DEVICE),
+            "gelu_tanh", 1.0, 1.0, 0, 0.0, backend)
+    result = torch.library.opcheck(_dpreact_op, args)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _saved_by_forward(mode, requires_grad=True, no_grad=False, bias=True):
+    x, w, b, wd, bd = _leaves(bias=bias, requires_grad=requires_grad)
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.set_grad_enabled(not no_grad):
+            y = gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", mode, BACKEND)
+    inputs = [t for t in (x, w, b, wd, bd) if t is not None]
+    extra = [t for t in packed if not any(t.data_ptr() == s.data_ptr() and t.shape == s.shape for s in inputs)]
+    return x, y, extra
+
+
+def test_store_saves_the_preactivation_only():
+    x, y, extra = _saved_by_forward("store")
+    assert [tuple(t.shape) for t in extra] == [(x.shape[0], 2 * 24)], "store must save P [M, 2*I] and nothing else"
+    assert extra[0].dtype == x.dtype
+
+
+def test_recompute_saves_nothing_beyond_x_and_the_weights():
+    _, _, extra = _saved_by_forward("recompute")
+    assert extra == []
+
+
+@pytest.mark.parametrize("mode", ["store", "recompute"])
+def test_nothing_saved_without_grad(mode):
+    assert _saved_by_forward(mode, requires_grad=False)[2] == []
+    assert _saved_by_forward(mode, no_grad=True)[2] == []
+
+
+def test_torch_compile_store_mode_gradients_equal_eager():
+    """aot_eager: the graph torch.compile builds (the op, its registered backward, the in-place
+    dP) gives eager's gradients; inductor's compile of the same graph is the GPU suite's."""
+    x, w, b, wd, bd = _leaves(dtype=torch.float32)
+
+    def loss(x, w, b, wd, bd):
+        return gated_mlp(x, PackedGateUp(w, b), wd, bd, "gelu_tanh", "store", BACKEND).square().sum()
+
+    eager = torch.autograd.grad(loss(x, w, b, wd, bd), (x, w, b, wd, bd))
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w, b, wd, bd), (x, w, b, wd, bd))
+    for a, e in zip(got, eager):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+def test_errors_name_the_problem():
+    x, w, b, wd, bd = _leaves(requires_grad=False)
+    with pytest.raises(TypeError, match="must be a PackedGateUp"):
+        gated_mlp(x, w, wd)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        gated_mlp(x, PackedGateUp(w, b), wd, bd, mode="stash")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gated_mlp(x, PackedGateUp(w, b), wd, bd, backend="cuda")
+    with pytest.raises(ValueError, match=r"down weight must be \[K, I\]"):
+        gated_mlp(x, PackedGateUp(w, b), wd.t(), bd)
+    with pytest.raises(ValueError, match="x must be"):
+        gated_mlp(x[:, :-1], PackedGateUp(w, b), wd, bd)
+    with pytest.raises(ValueError, match="down bias must be"):
+        gated_mlp(x, PackedGateUp(w, b), wd, bd[:-1])
+    with pytest.raises(TypeError, match="down weight must match x's dtype"):
+        gated_mlp(x, PackedGateUp(w, b), wd.double(), bd)
+    with pytest.raises(NotImplementedError, match="relu"):
+        gated_mlp(x, PackedGateUp(w, b), wd, bd, epilogue="relu")
