@@ -10,19 +10,26 @@ Its state dict speaks the original checkpoint's language: `state_dict()` writes
 unpacked, and `load_state_dict` reads those keys and packs them, so `save_pretrained`
 gives a plain transformers checkpoint and an original checkpoint loads into a patched model.
 
-Under the names of the projections it packed (``gate_proj``, ``up_proj``) it holds
-`PackedAway` markers: modules with no weights whose only job is to answer a tool that looks
-them up by name (PEFT's ``target_modules``) with an error that says what happened to them.
+Under the names of the projections it packed (``gate_proj``, ``up_proj``, or Phi-3's
+``gate_up_proj``) it holds `PackedProjection` markers: modules with no weights of their own
+that tools finding modules by name reach (PEFT's ``target_modules``). A LoRA layer may wrap a
+marker (`swiglu_patch.lora`); the packed halves are then saved under the marker's path
+(``gate_proj.base_layer.weight``, as plain PEFT saves them), and the forward adds the
+adapters' low-rank update inside the gated GEMM (`swiglu_patch.low_rank`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
-from .kernels.layout import deinterleave_gate_up, interleave_gate_up
+from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
+from .low_rank import gated_linear_low_rank, low_rank_operands
+from .optimizer import mark_packed
+from .training import gated_mlp_interleaved
 from .registry import MLPFamily
 
 
@@ -38,6 +45,10 @@ class FusedGatedMLP(nn.Module):
         epilogue: the gated epilogue (a `GatedEpilogue`, or an activation name: "silu",
             "gelu_tanh", "gelu").
         backend: `gated_linear`'s backend.
+
+    Attributes:
+        mode: what training saves for the backward: "store" (the interleaved pre-activation,
+            default) or "recompute" (only the input; the gated GEMM runs again in backward).
     """
 
     def __init__(self, original: nn.Module, family: MLPFamily, epilogue: GatedEpilogue | str, backend: str = "auto"):
@@ -51,19 +62,38 @@ class FusedGatedMLP(nn.Module):
         self.gate_up_interleaved_bias = (
             nn.Parameter(packed_bias, requires_grad=requires_grad) if packed_bias is not None else None
         )
+        for name, half in _packed_halves(family):  # before down: the original's module order
+            self.add_module(name, PackedProjection(self, half))
+        self._packed_names = tuple(name for name, _ in _packed_halves(family))
         self.add_module(family.down, getattr(original, family.down))  # the checkpoint's name (LFM2: w2)
         self.epilogue = GatedEpilogue.of(epilogue)
         self.backend = backend
+        self.mode = "store"  # training: save the interleaved pre-activation; "recompute" saves only x
         self.family = family
-        for name in family.packed:
-            self.add_module(name, PackedAway(name, family))
-        _release_gate_up(original, family)
+        mark_packed(self, _release_gate_up(original, family))  # an optimizer holding them is refused at step
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wrapped = [m for name in self._packed_names if type(m := self._modules[name]) is not PackedProjection]
+        if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
+            x_lr, b_lr = low_rank_operands(wrapped, x)
+            if x_lr is not None:
+                h = gated_linear_low_rank(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, x_lr, b_lr,
+                                          self.epilogue, self.backend)
+                return self.down(h)
+        down = self.down
+        if torch.is_grad_enabled() and _plain_linear(down) and (
+            x.requires_grad or self.gate_up_interleaved.requires_grad or down.weight.requires_grad
+            or any(b is not None and b.requires_grad for b in (self.gate_up_interleaved_bias, down.bias))
+        ):  # training: the whole MLP as one op with its backward (`swiglu_patch.training`)
+            tensors = (x, self.gate_up_interleaved, self.gate_up_interleaved_bias, down.weight, down.bias)
+            if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
+                dtype = torch.get_autocast_dtype(x.device.type)
+                tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
+            return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend)
         h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
                                      self.backend)
-        return self.down(h)
+        return down(h)
 
     @property
     def down(self) -> nn.Module:
@@ -80,18 +110,29 @@ class FusedGatedMLP(nn.Module):
 
     # -- the original checkpoint's keys --------------------------------------------------
 
+    def _projection_paths(self) -> dict[str, str]:
+        """{half: module path} of the packed projections: their marker's path under this module
+        (``gate_proj``, or ``gate_proj.base_layer`` when a LoRA layer wraps the marker)."""
+        paths = {half: name for name, half in _packed_halves(self.family)}
+        for path, m in self.named_modules():
+            if isinstance(m, PackedProjection) and m.fused is self:
+                paths[m.half] = path
+        return paths
+
     def _checkpoint_tensors(self, keep_vars: bool) -> dict[str, torch.Tensor]:
         """{local key: tensor} in the original module's layout."""
-        f = self.family
+        paths = self._projection_paths()
         out = {}
         for suffix, packed in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
             if packed is None:
                 continue
             gate, up = deinterleave_gate_up(packed if keep_vars else packed.detach())
-            if f.gate_up_chunked:
-                out[f"{f.gate_up_chunked}.{suffix}"] = torch.cat([gate, up])
+            if _is_dtensor(packed):  # FSDP2: gate and up keep the packed weight's sharding (balanced checkpoints)
+                gate, up = (t.redistribute(packed.device_mesh, packed.placements) for t in (gate, up))
+            if self.family.gate_up_chunked:
+                out[f"{paths['gate_up']}.{suffix}"] = torch.cat([gate, up])
             else:
-                out[f"{f.gate}.{suffix}"], out[f"{f.up}.{suffix}"] = gate, up
+                out[f"{paths['gate']}.{suffix}"], out[f"{paths['up']}.{suffix}"] = gate, up
         return out
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -101,8 +142,8 @@ class FusedGatedMLP(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         for hook in self._load_state_dict_pre_hooks.values():  # as nn.Module's own does (tensor_parallel's uses it)
             hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        f = self.family
-        names = [f.gate_up_chunked] if f.gate_up_chunked else [f.gate, f.up]
+        paths = self._projection_paths()
+        names = [paths[half] for _, half in _packed_halves(self.family)]
         for suffix, param in (("weight", self.gate_up_interleaved), ("bias", self.gate_up_interleaved_bias)):
             if param is None:
                 continue
@@ -111,7 +152,7 @@ class FusedGatedMLP(nn.Module):
             if missing:
                 missing_keys.extend(missing)
                 continue
-            tensors = [state_dict[k] for k in keys]
+            tensors = [t.full_tensor() if _is_dtensor(t) else t for t in (state_dict[k] for k in keys)]
             gate, up = tensors if len(tensors) == 2 else tensors[0].chunk(2)
             if 2 * gate.shape[0] != param.shape[0] or gate.shape[1:] != param.shape[1:] or gate.shape != up.shape:
                 error_msgs.append(
@@ -120,9 +161,10 @@ class FusedGatedMLP(nn.Module):
                 )
                 continue
             with torch.no_grad():
-                param.copy_(interleave_gate_up(gate.to(param.device, param.dtype), up.to(param.device, param.dtype)))
-        if strict:
-            known = set(self._modules)
+                _copy_packed(param, interleave_gate_up(gate.to(param.device, param.dtype),
+                                                       up.to(param.device, param.dtype)))
+        if strict:  # the packed names too: DCP's full-state loading adds the parameters' own (current) values
+            known = set(self._modules) | {"gate_up_interleaved", "gate_up_interleaved_bias"}
             for key in state_dict:
                 if key.startswith(prefix) and key[len(prefix) :].split(".", 1)[0] not in known:
                     unexpected_keys.append(key)
@@ -130,7 +172,20 @@ class FusedGatedMLP(nn.Module):
     # -- back to the original ------------------------------------------------------------
 
     def restore(self) -> nn.Module:
-        """The original MLP module, with gate/up weights unpacked bit for bit from the packed ones."""
+        """The original MLP module, with gate/up weights unpacked bit for bit from the packed ones.
+
+        Raises:
+            ValueError: a packed projection is wrapped (a PEFT LoRA layer): restoring would drop it.
+        """
+        for name, _ in _packed_halves(self.family):
+            child = self._modules.get(name)
+            if type(child) is not PackedProjection:
+                raise ValueError(
+                    f"unpatch: {name} of this fused MLP is a {type(child).__name__} (a LoRA layer over the packed "
+                    "weight); unpatching would drop its adapters. Merge them (peft_model.merge_and_unload()) or "
+                    "remove them (unload()) first, or keep them: `with swiglu_patch.lora.adapters_aside(model): "
+                    "unpatch(model)`"
+                )
         original, f = self._original, self.family
         with torch.no_grad():
             tensors = self._checkpoint_tensors(keep_vars=False)
@@ -143,32 +198,98 @@ class FusedGatedMLP(nn.Module):
         return original
 
 
-class PackedAway(nn.Module):
-    """Stands where a packed projection was (``gate_proj``, ``up_proj``): no weights, no forward.
+class PackedProjection(nn.Module):
+    """Stands where a packed projection was (``gate_proj``, ``up_proj``, Phi-3's ``gate_up_proj``).
 
-    A tool that finds modules by name (PEFT's LoRA ``target_modules``) reaches this marker
-    instead of silently skipping the projection, and its error shows this module's repr,
-    which says what happened and what to do.
+    It holds no parameters: its weight is its half of the fused module's ``gate_up_interleaved``.
+    `weight` and `bias` return copies of that half ([I, K] and [I]; [2*I, K] and [2*I] chunked
+    [gate; up] for "gate_up"), and calling it computes x @ weight^T + bias as the Linear did.
+    Writes to those copies change nothing: a LoRA layer over it merges through
+    `swiglu_patch.lora.PackedLoraLinear`, which writes the packed rows.
+
+    Args:
+        fused: the `FusedGatedMLP` that owns the packed weight (referenced, not a submodule).
+        half: "gate", "up", or "gate_up" (both, chunked as Phi-3's checkpoint holds them).
+
+    Attributes:
+        in_features: K.
+        out_features: I, or 2*I for "gate_up".
     """
 
-    def __init__(self, name: str, family: MLPFamily):
+    def __init__(self, fused: "FusedGatedMLP", half: str):
         super().__init__()
-        others = [n for n in family.packed if n != name]
-        self.name, self.down = name, family.down
-        self.packed = f"{name} is packed" + (f" with {', '.join(others)}" if others else "")
+        if half not in ("gate", "up", "gate_up"):
+            raise ValueError(f"PackedProjection: half must be 'gate', 'up' or 'gate_up', got {half!r}")
+        n, k = fused.gate_up_interleaved.shape
+        self.half, self.in_features, self.out_features = half, k, n if half == "gate_up" else n // 2
+        object.__setattr__(self, "_fused", fused)  # not a submodule: no cycle in named_modules
 
-    def extra_repr(self) -> str:
-        return (
-            f"{self.packed} into this FusedGatedMLP's gate_up_interleaved by swiglu-patch; it has no weight of "
-            "its own, so LoRA/PEFT cannot wrap it: call swiglu_patch.unpatch(model) before "
-            f"get_peft_model, or target only {self.down}"
-        )
+    @property
+    def fused(self) -> "FusedGatedMLP":
+        return self._fused
 
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"PackedAway: {self.extra_repr()}")
+    def rows(self) -> torch.Tensor:
+        """int64 [out_features]: the packed row of each of this projection's output rows."""
+        packed = self._fused.gate_up_interleaved
+        gate, up = gate_up_rows(packed.shape[0] // 2, packed.device)
+        return {"gate": gate, "up": up, "gate_up": torch.cat([gate, up])}[self.half]
+
+    def _half(self, packed: torch.Tensor) -> torch.Tensor:
+        gate, up = deinterleave_gate_up(packed)
+        return {"gate": gate, "up": up}[self.half] if self.half != "gate_up" else torch.cat([gate, up])
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A copy of this projection's rows of the packed weight, [out_features, K]."""
+        return self._half(self._fused.gate_up_interleaved.detach())
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """A copy of this projection's entries of the packed bias, [out_features], or None."""
+        b = self._fused.gate_up_interleaved_bias
+        return None if b is None else self._half(b.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self._fused.gate_up_interleaved_bias
+        return F.linear(x, self._half(self._fused.gate_up_interleaved), None if b is None else self._half(b))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         pass  # the FusedGatedMLP above reads this projection's keys
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.half} rows of the FusedGatedMLP's gate_up_interleaved, in_features={self.in_features}, "
+            f"out_features={self.out_features}; no weight of its own. For LoRA on it, pass the LoraConfig "
+            "through swiglu_patch.lora.register(config) before get_peft_model, or call get_peft_model before "
+            "apply_fused_mlp"
+        )
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear that runs as itself: no subclass, hooks or replaced forward (a LoRA layer,
+    accelerate's or tensor parallelism's wrappers go through the module instead)."""
+    return (type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks
+            and "forward" not in m.__dict__)
+
+
+def _copy_packed(param: torch.Tensor, packed: torch.Tensor) -> None:
+    """param <- packed, a whole packed tensor; an FSDP2-sharded param (DTensor) takes its own rows of it."""
+    if _is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
+        packed = distribute_tensor(packed.to(param.device, param.dtype), param.device_mesh, param.placements,
+                                   src_data_rank=None)
+    param.copy_(packed)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A torch.distributed DTensor (FSDP2's parameters), without importing torch.distributed."""
+    return hasattr(t, "device_mesh") and hasattr(t, "placements")
+
+
+def _packed_halves(f: MLPFamily) -> list[tuple[str, str]]:
+    """[(projection name, half)] of what the fused module packs: gate and up, or Phi-3's chunked one."""
+    return [(f.gate_up_chunked, "gate_up")] if f.gate_up_chunked else [(f.gate, "gate"), (f.up, "up")]
 
 
 def _split_original(mlp: nn.Module, f: MLPFamily):
@@ -182,11 +303,18 @@ def _split_original(mlp: nn.Module, f: MLPFamily):
     return gate.weight, up.weight, gate.bias, up.bias
 
 
-def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> None:
-    """Swap the original gate/up parameters for meta tensors of the same shape (frees them)."""
-    for name in f.packed:
+def _release_gate_up(mlp: nn.Module, f: MLPFamily) -> dict[tuple[str, str], nn.Parameter]:
+    """Swap the original gate/up parameters for meta tensors of the same shape (frees them).
+
+    Returns:
+        {(half, suffix): the parameter taken out}, for `optimizer.mark_packed`.
+    """
+    consumed = {}
+    for name, half in _packed_halves(f):
         lin = getattr(mlp, name)
         for suffix in ("weight", "bias"):
             p = getattr(lin, suffix)
             if p is not None:
+                consumed[half, suffix] = p
                 setattr(lin, suffix, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    return consumed

@@ -307,7 +307,8 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         warnings.warn(
             "apply_fused_mlp: the patched gate/up weights require grad. Build the optimizer after patching: the "
             "packed gate_up_interleaved parameters replace gate_proj/up_proj, so an optimizer built before holds "
-            "parameters the model no longer uses. PEFT/LoRA cannot wrap fused gate/up: unpatch(model) first.",
+            "parameters the model no longer uses (swiglu_patch.optimizer.repoint_optimizer(opt) moves it over). "
+            "For PEFT LoRA on gate/up, pass the LoraConfig through swiglu_patch.lora.register(config).",
             stacklevel=2,
         )
     return report

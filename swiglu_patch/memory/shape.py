@@ -8,7 +8,7 @@ KV = key/value heads, D = head_dim.
 The :data:`DECODER_LAYOUTS` table says, per ``config.model_type``, how Hugging Face's eager code
 lays out one decoder layer: norm style, norms per layer, q/k norms, packed projections, embedding
 scaling, which attention HF runs. The activation model walks a layer with this layout. (Which
-MLPs the patch can fuse is another table: ``swiglu_patch.registry.FAMILIES``.)
+MLPs the patch can fuse is another table: ``swiglu_patch.registry.KNOWN_MLP_CLASSES``.)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Until the fused module trains (a later issue): patching trainable weights says that an optimizer
-must be built after patching, and PEFT's LoRA on a patched model fails with a clear error instead
-of wrapping only down_proj."""
+"""Patching trainable weights says that an optimizer must be built after patching, and PEFT's LoRA
+on a patched model's gate/up without `swiglu_patch.lora.register` fails with a clear error instead
+of wrapping only down_proj (with it, LoRA works: tests/training_stack/test_lora.py)."""
 
 import warnings
 
@@ -52,7 +52,7 @@ def peft():
 def test_lora_on_patched_gate_up_fails_clearly(peft, targets):
     model = tiny_model("llama")
     apply_fused_mlp(model)
-    with pytest.raises(ValueError, match=r"gate_up_interleaved by swiglu-patch.*unpatch\(model\) before get_peft_model"):
+    with pytest.raises(ValueError, match=r"gate_up_interleaved.*swiglu_patch\.lora\.register\(config\)"):
         peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
 
 

@@ -1,0 +1,275 @@
+"""PEFT LoRA on a patched model: adapters on gate/up ride inside the fused gated GEMM.
+
+Two ways in, the same model out:
+
+    # patch, then LoRA: the LoraConfig is registered for the packed projections
+    apply_fused_mlp(model)
+    model = get_peft_model(model, swiglu_patch.lora.register(LoraConfig(target_modules=[...])))
+
+    # LoRA, then patch: PEFT's own layers are moved onto the fused modules
+    model = get_peft_model(model, LoraConfig(target_modules=[...]))
+    with swiglu_patch.lora.adapters_aside(model):
+        apply_fused_mlp(model)
+
+Either way ``gate_proj`` and ``up_proj`` (or Phi-3's ``gate_up_proj``) of each fused MLP are
+`PackedLoraLinear` layers: PEFT's own `lora.Linear` with the same ``lora_A``/``lora_B``
+parameters, keys, scaling and dropout, over a `PackedProjection` marker instead of an
+nn.Linear. The fused module collects their low-rank operands (`low_rank_operands`) and runs
+[x | s*x@A^T] @ [W | B]^T in one gated GEMM (`swiglu_patch.low_rank`); ``down_proj`` stays a
+plain PEFT `lora.Linear`. `merge_and_unload`, `unload`, `disable_adapter`, `set_adapter`,
+several adapters and `save_pretrained` of the adapter behave as with plain PEFT, and merging
+writes the packed rows. The full state dict keeps plain PEFT's keys (``gate_proj.base_layer.weight``).
+
+`adapters_aside` also unpatches a model with adapters (``with adapters_aside(model):
+unpatch(model)``): the layers go back to plain `lora.Linear` over the restored nn.Linear.
+
+Refused, each with the reason: QLoRA and other quantized bases (a bitsandbytes base under the
+LoRA layer), DoRA and the other LoRA variants, ``lora_bias``, initialisations that read or
+rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, EVA, LoRA-GA, ...), ``target_modules=
+"all-linear"`` with `register` (the markers are not nn.Linear, so PEFT would skip gate and up),
+and PEFT's mixed-batch ``adapter_names`` on the packed projections.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+try:
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.tuners_utils import check_adapters_to_merge
+except ImportError as e:  # an optional dependency
+    raise ImportError(f"swiglu_patch.lora needs PEFT ({e}): pip install peft") from e
+
+from .low_rank import pack_low_rank_b
+from .module import PackedProjection
+from .registry import KNOWN_MLP_CLASSES, STRUCTURES
+
+# Names under which gated MLPs keep their projections (what a QLoRA refusal looks for).
+_PROJECTIONS = frozenset(
+    n for f in (*KNOWN_MLP_CLASSES.values(), *STRUCTURES) for n in (f.gate, f.up, f.gate_up_chunked, f.down) if n
+)
+_INITS = (True, False, "gaussian")  # initialisations that touch only A and B
+
+
+def _unsupported(config: LoraConfig) -> str | None:
+    """Why an adapter of `config` cannot run inside the fused GEMM, or None."""
+    if getattr(config, "use_dora", False):
+        return "DoRA (use_dora=True) rescales each row of W + s*B@A by its norm, which the fused GEMM does not"
+    if getattr(config, "lora_bias", False):
+        return "lora_bias=True is not supported on the packed projections"
+    if config.init_lora_weights not in _INITS:
+        return (f"init_lora_weights={config.init_lora_weights!r} reads or rewrites the base weight; supported on "
+                f"the packed projections: {_INITS} (or initialise before patching: get_peft_model, then "
+                "adapters_aside + apply_fused_mlp)")
+    return None
+
+
+class PackedLoraLinear(LoraLinear):
+    """PEFT's LoRA `Linear` over a `PackedProjection`: gate, up or Phi-3's chunked gate_up of a fused MLP.
+
+    Its parameters, state dict keys, scaling, dropout and adapter bookkeeping are PEFT's
+    (``lora_A.<adapter>.weight`` [r, K], ``lora_B.<adapter>.weight`` [out_features, r]). What
+    differs: the fused module reads its update through `low_rank_operands` instead of calling
+    it, and `merge`/`unmerge` write this projection's rows of the packed weight.
+    """
+
+    def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features  # a PackedProjection says them (PEFT would warn)
+
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        reason = _unsupported(config)
+        if reason:
+            raise ValueError(f"swiglu_patch.lora: cannot add adapter {adapter_name!r} to a packed projection: {reason}")
+        if self.resolve_lora_variant(config=config) is not None:
+            raise ValueError(f"swiglu_patch.lora: cannot add adapter {adapter_name!r} to a packed projection: LoRA "
+                             "variants (DoRA, aLoRA, Arrow, ...) are not supported by the fused GEMM")
+        super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+
+    def low_rank_operands(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(x_lr [..., r], b_lr [2*I, r])] of each active, unmerged adapter, in x's dtype.
+
+        x_lr = scaling * lora_A(dropout(x)) (x cast to lora_A's dtype first, as PEFT does);
+        b_lr = lora_B's weight in the packed row layout (`pack_low_rank_b`).
+        """
+        if self.disable_adapters:
+            if self.merged:  # as PEFT's forward: a disabled adapter is taken out of the weight
+                self.unmerge()
+            return []
+        if self.merged:
+            return []
+        if self._forward_pre_hooks or self._forward_hooks:
+            raise NotImplementedError(
+                "swiglu_patch.lora: a hook on a packed projection's LoRA layer would not run inside the fused GEMM "
+                "(PEFT's mixed-batch adapter_names= works this way); merge the adapter or unpatch for that call"
+            )
+        half = self.get_base_layer().half
+        out = []
+        for adapter in self.active_adapters:
+            if adapter not in self.lora_A.keys():
+                continue
+            a, b = self.lora_A[adapter], self.lora_B[adapter]
+            x_lr = a(self.lora_dropout[adapter](self._cast_input_dtype(x, a.weight.dtype))) * self.scaling[adapter]
+            out.append((x_lr.to(x.dtype), pack_low_rank_b(b.weight.to(x.dtype), half)))
+        return out
+
+    def _packed_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the packed weight parameter, this projection's row indices in it)."""
+        marker = self.get_base_layer()
+        packed = marker.fused.gate_up_interleaved
+        if type(packed.data) is not torch.Tensor:
+            raise NotImplementedError(
+                f"swiglu_patch.lora: merging into a sharded packed weight ({type(packed.data).__name__}) is not "
+                "supported; merge before sharding, or gather the model's full state dict first"
+            )
+        return packed, marker.rows()
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Add s * B @ A of each adapter to this projection's rows of the packed weight (as PEFT's Linear does)."""
+        adapter_names = check_adapters_to_merge(self, adapter_names)
+        if not adapter_names:
+            return
+        packed, rows = self._packed_rows()
+        for adapter in adapter_names:
+            if adapter not in self.lora_A.keys():
+                continue
+            weight = packed.data[rows]  # the projection's weight, bit for bit
+            if safe_merge:
+                weight += self.get_delta_weight(adapter).to(weight.dtype)
+                if not torch.isfinite(weight).all():
+                    raise ValueError(f"NaNs detected in the merged weights. The adapter {adapter} seems to be broken")
+            else:
+                weight += self.get_delta_weight(adapter)
+            packed.data[rows] = weight
+            self.merged_adapters.append(adapter)
+
+    def unmerge(self) -> None:
+        """Subtract the merged adapters from the packed rows again, last merged first."""
+        if not self.merged:
+            return
+        packed, rows = self._packed_rows()
+        while self.merged_adapters:
+            adapter = self.merged_adapters.pop()
+            if adapter in self.lora_A.keys():
+                weight = packed.data[rows]
+                weight -= self.get_delta_weight(adapter).to(weight.dtype)
+                packed.data[rows] = weight
+
+
+def register(config: LoraConfig) -> LoraConfig:
+    """Let PEFT wrap the packed projections of a patched model: `get_peft_model(model, register(config))`.
+
+    Registers `PackedLoraLinear` for `PackedProjection` through PEFT's custom-module mapping
+    (`LoraConfig._register_custom_module`); the config's saved form (``adapter_config.json``)
+    is unchanged. Load a saved adapter onto a patched model with
+    ``PeftModel.from_pretrained(model, path, config=register(LoraConfig.from_pretrained(path)))``.
+
+    Args:
+        config: a `peft.LoraConfig` naming its targets explicitly.
+
+    Returns:
+        The same config, registered.
+
+    Raises:
+        TypeError: not a LoraConfig.
+        ValueError: ``target_modules="all-linear"`` (it picks nn.Linear layers only, so gate and up
+            of a patched model would be skipped; list the names, or call get_peft_model before
+            apply_fused_mlp), or an option the fused GEMM cannot run (`_unsupported`).
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"swiglu_patch.lora.register: expected a peft.LoraConfig, got {type(config).__name__}")
+    targets = config.target_modules
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        raise ValueError(
+            "swiglu_patch.lora.register: target_modules='all-linear' selects torch.nn.Linear layers, and a patched "
+            "model's gate/up projections are packed (PackedProjection), so PEFT would skip them. List the modules "
+            "(e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']), or call "
+            "get_peft_model before apply_fused_mlp (inside swiglu_patch.lora.adapters_aside)"
+        )
+    reason = _unsupported(config)
+    if reason:
+        raise ValueError(f"swiglu_patch.lora.register: {reason}")
+    config._register_custom_module({PackedProjection: PackedLoraLinear})
+    return config
+
+
+def _quantized_base(layer: LoraLayer) -> str | None:
+    base = layer.get_base_layer()
+    if type(base).__module__.split(".")[0] == "bitsandbytes" or hasattr(getattr(base, "weight", None), "quant_state"):
+        return type(base).__name__
+    return None
+
+
+def _check_wrapper(path: str, layer: LoraLayer) -> None:
+    if layer.lora_variant:
+        raise ValueError(f"swiglu_patch.lora: {path} uses a LoRA variant ({', '.join(layer.lora_variant)}: "
+                         f"{type(next(iter(layer.lora_variant.values()))).__name__}), which the fused GEMM cannot run")
+    if any(layer.lora_bias.values()):
+        raise ValueError(f"swiglu_patch.lora: {path} has lora_bias=True, which the packed projections do not support")
+
+
+@contextmanager
+def adapters_aside(model: nn.Module):
+    """Patch or unpatch a model that PEFT has wrapped, keeping its LoRA layers.
+
+    On entry every PEFT LoRA `Linear` of the model is replaced by its base layer; on exit each
+    goes back around whatever stands at its place then: a `PackedLoraLinear` around a
+    `PackedProjection` (after `apply_fused_mlp`), a plain `lora.Linear` around an nn.Linear
+    (after `unpatch`, or where nothing was patched). The layers keep their identity, so their
+    parameters, adapters, merged state and an optimizer's references to them are unchanged.
+
+        model = get_peft_model(model, LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"]))
+        with swiglu_patch.lora.adapters_aside(model):
+            apply_fused_mlp(model)
+
+    Args:
+        model: a PEFT model, or any module holding PEFT LoRA layers.
+
+    Raises:
+        ValueError: a LoRA layer over a bitsandbytes (4-bit or 8-bit) base at a gated MLP's
+            projection (QLoRA), a LoRA variant (DoRA, ...) or lora_bias; nothing is changed.
+    """
+    aside = []
+    for path, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        quantized = _quantized_base(layer)
+        if quantized and path.rpartition(".")[2] in _PROJECTIONS:
+            raise ValueError(
+                f"swiglu_patch.lora: {path} is a LoRA layer over a bitsandbytes {quantized} base (QLoRA). The fused "
+                "gated GEMM reads bf16/fp16/fp32 weights, so QLoRA is not supported: load the base model in bf16 "
+                "(no quantization_config) to patch it, or train QLoRA without swiglu-patch"
+            )
+        if type(layer) in (LoraLinear, PackedLoraLinear):
+            _check_wrapper(path, layer)
+            aside.append((path, layer))
+    for path, layer in aside:
+        _set(model, path, layer.base_layer)
+    try:
+        yield
+    finally:
+        for path, layer in aside:
+            _rebase(path, layer, model.get_submodule(path))
+            _set(model, path, layer)
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+
+def _rebase(path: str, layer: LoraLinear, base: nn.Module) -> None:
+    """Put `base` under `layer`, turning it into the LoRA class for that base (same object, same adapters)."""
+    if (layer.in_features, layer.out_features) != (base.in_features, base.out_features):
+        raise ValueError(
+            f"swiglu_patch.lora: {path} now holds {type(base).__name__} [{base.out_features}, {base.in_features}], "
+            f"but its LoRA layer was built for [{layer.out_features}, {layer.in_features}]"
+        )
+    # The two classes hold the same state (PackedLoraLinear adds methods only), so a class
+    # swap carries every adapter, its merged state and any reference to its parameters.
+    layer.__class__ = PackedLoraLinear if isinstance(base, PackedProjection) else LoraLinear
+    layer.base_layer = base

@@ -1,0 +1,169 @@
+"""LoRA inside the gated GEMM: low-rank updates of gate and up as a second K segment.
+
+A LoRA adapter on a projection W ([I, K]) adds s * (x @ A^T) @ B^T, with A [r, K], B [I, r] and
+scale s. Written as one GEMM over operands concatenated along K::
+
+    x @ W^T + s * (x @ A^T) @ B^T  =  [x | s * x @ A^T] @ [W | B]^T
+
+so the gated GEMM on the packed weight takes the adapters as r more K columns: the
+low-rank input ``x_lr = s * dropout(x) @ A^T`` ([M, r], one column block per adapter) and the
+low-rank weight ``b_lr`` ([2*I, r]) in the packed row layout of `kernels/layout.py`:
+
+    gate adapter:          b_lr = interleave_gate_up(B, 0)         (its columns are zero on up rows)
+    up adapter:            b_lr = interleave_gate_up(0, B)         (zero on gate rows)
+    chunked [gate; up] one (Phi-3's gate_up_proj): b_lr = interleave_gate_up(B[:I], B[I:])
+
+Adapters stack along K: with a gate adapter of rank r_g and an up adapter of rank r_u, x_lr is
+[M, r_g + r_u] and b_lr [2*I, r_g + r_u]. Then
+
+    out = epilogue(gate(P), up(P)),   P = [x | x_lr] @ [W | b_lr]^T + bias     ([M, 2*I], interleaved)
+
+`gated_linear_low_rank_reference` is that formula on the concatenated operands (the spec);
+`gated_linear_low_rank` computes the same without copying W: P = x @ W^T + x_lr @ b_lr^T + bias
+with the torch backend (differentiable: A and B get their gradients through x_lr and b_lr), and
+the gated kernel on the concatenated operands with the Triton backend (forward only until the
+kernels take the second segment; see docs/training_stack.md for what they need).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .functional import gated_linear_interleaved
+from .kernels.epilogue import GatedEpilogue
+from .kernels.layout import interleave_gate_up, split_interleaved
+from .kernels.reference import gated_linear_reference
+
+HALVES = ("gate", "up", "gate_up")
+
+
+def pack_low_rank_b(b: torch.Tensor, half: str) -> torch.Tensor:
+    """An adapter's B in the packed row layout, zero on the rows of the other half.
+
+    Args:
+        b: [I, r] for half "gate" or "up"; [2*I, r] chunked [gate; up] for "gate_up".
+        half: which rows of the packed weight the adapter updates.
+
+    Returns:
+        [2*I, r] tensor in b's dtype and device (differentiable in b).
+
+    Raises:
+        ValueError: unknown half, or b not 2-D (or not of even rows for "gate_up").
+    """
+    if half not in HALVES:
+        raise ValueError(f"pack_low_rank_b: half must be one of {HALVES}, got {half!r}")
+    if b.dim() != 2 or (half == "gate_up" and b.shape[0] % 2):
+        raise ValueError(f"pack_low_rank_b: b must be [I, r] (or [2*I, r] for 'gate_up'), got {tuple(b.shape)}")
+    if half == "gate_up":
+        gate, up = b.chunk(2)
+    else:
+        zeros = torch.zeros_like(b)
+        gate, up = (b, zeros) if half == "gate" else (zeros, b)
+    return interleave_gate_up(gate, up)
+
+
+def _check(x, weight, x_lr, b_lr):
+    if x_lr.shape[:-1] != x.shape[:-1] or b_lr.dim() != 2 or b_lr.shape != (weight.shape[0], x_lr.shape[-1]):
+        raise ValueError(
+            f"gated_linear_low_rank: x_lr must be [..., r] with x's leading dims {tuple(x.shape[:-1])} and b_lr "
+            f"[2*I, r] = [{weight.shape[0]}, r]; got x_lr {tuple(x_lr.shape)}, b_lr {tuple(b_lr.shape)}"
+        )
+    for name, t in (("x_lr", x_lr), ("b_lr", b_lr)):
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"gated_linear_low_rank: {name} must match x's dtype and device ({x.dtype} on "
+                            f"{x.device}), got {t.dtype} on {t.device}; cast it with .to()")
+
+
+def gated_linear_low_rank_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_lr: torch.Tensor,
+    b_lr: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+) -> torch.Tensor:
+    """The spec: `gated_linear_reference` on [x | x_lr] against [W | b_lr] (copies W).
+
+    Args:
+        x: [M, K]; weight: [2*I, K] interleaved; bias: [2*I] or None;
+        x_lr: [M, r] low-rank input; b_lr: [2*I, r] low-rank weight (packed rows); all x's dtype.
+
+    Returns:
+        [M, I] in x's dtype.
+    """
+    _check(x, weight, x_lr, b_lr)
+    return gated_linear_reference(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue)
+
+
+def gated_linear_low_rank(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    x_lr: torch.Tensor,
+    b_lr: torch.Tensor,
+    epilogue: GatedEpilogue,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """epilogue(gate(P), up(P)) with P = x @ W^T + x_lr @ b_lr^T + bias: the gated linear plus low-rank updates.
+
+    Args:
+        x: [..., K] input.
+        weight: [2*I, K] packed gate/up weight (interleaved), x's dtype.
+        bias: [2*I] packed bias or None.
+        x_lr: [..., r] low-rank input (s * dropout(x) @ A^T per adapter, concatenated), x's dtype.
+        b_lr: [2*I, r] low-rank weight in the packed row layout (`pack_low_rank_b`, concatenated).
+        epilogue: the gated epilogue.
+        backend: "torch" (two GEMMs summed in fp32, differentiable), "triton" (the gated
+            kernel on the concatenated operands; no gradient yet) or "auto" (Triton on CUDA).
+
+    Returns:
+        [..., I] in x's dtype.
+
+    Raises:
+        ValueError, TypeError: operands that do not fit.
+        NotImplementedError: the Triton backend asked for a gradient.
+    """
+    _check(x, weight, x_lr, b_lr)
+    if backend == "auto":
+        backend = "triton" if x.is_cuda else "torch"
+    if backend != "torch":
+        return gated_linear_interleaved(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue,
+                                        backend)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
+    preact = F.linear(x2d, weight, bias).to(acc) + F.linear(xlr2d, b_lr).to(acc)
+    gate, up = split_interleaved(preact, -1)
+    out = epilogue.apply(gate, up).to(x.dtype)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(x_lr [..., r], b_lr [2*I, r]) of every active adapter of the layers wrapping packed projections.
+
+    Each wrapper (`swiglu_patch.lora.PackedLoraLinear`) lists its active, unmerged adapters as
+    (x_lr, b_lr) pairs in x's dtype through ``low_rank_operands(x)``; they are concatenated along
+    r in the wrappers' order (gate before up), which is also the order plain PEFT draws their
+    dropout masks in.
+
+    Returns:
+        The concatenated pair, or (None, None) when no adapter is active.
+
+    Raises:
+        TypeError: a wrapper that cannot say what it adds.
+    """
+    pairs = []
+    for w in wrappers:
+        operands = getattr(w, "low_rank_operands", None)
+        if operands is None:
+            raise TypeError(
+                f"FusedGatedMLP: a packed projection is wrapped by {type(w).__module__}.{type(w).__name__}, which "
+                "the fused GEMM cannot run; LoRA layers over it come from swiglu_patch.lora (register the "
+                "LoraConfig with swiglu_patch.lora.register(config))"
+            )
+        pairs += operands(x)
+    if not pairs:
+        return None, None
+    if len(pairs) == 1:
+        return pairs[0]
+    return torch.cat([p[0] for p in pairs], -1), torch.cat([p[1] for p in pairs], -1)

@@ -1,0 +1,218 @@
+"""PEFT LoRA on a patched model (`swiglu_patch.lora`), in both orders, against plain PEFT on the
+unpatched model: training (losses, adapters, dropout masks), saved adapters, merged weights,
+unload, several adapters, unpatching, and the refusals (QLoRA, DoRA, all-linear, ...).
+
+Tiny Llama (gate_proj/up_proj) and Phi-3 (one chunked gate_up_proj); fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from helpers import rel_err, tiny_model
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora.layer import Linear as LoraLinear
+from safetensors.torch import load_file
+from training_common import token_batches, train, train_backends
+
+from swiglu_patch import PatchError, apply_fused_mlp, unpatch
+from swiglu_patch.lora import PackedLoraLinear, adapters_aside, register
+from swiglu_patch.module import PackedProjection
+
+TARGETS = {"llama": ["q_proj", "gate_proj", "up_proj", "down_proj"], "phi3": ["qkv_proj", "gate_up_proj", "down_proj"]}
+PACKED = {"llama": ["gate_proj", "up_proj"], "phi3": ["gate_up_proj"]}
+ORDERS = ["patch_then_peft", "peft_then_patch"]
+
+
+def lora_config(family: str, **overrides) -> LoraConfig:
+    return LoraConfig(**(dict(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=TARGETS[family]) | overrides))
+
+
+def peft_pair(family: str, order: str, backend: str = "torch", **overrides):
+    """(base, plain PEFT on the unpatched base, PEFT on a patched copy) with the same initial adapters."""
+    base = tiny_model(family)
+    torch.manual_seed(0)
+    ref = get_peft_model(copy.deepcopy(base), lora_config(family, **overrides))
+    ours = copy.deepcopy(base)
+    if order == "patch_then_peft":
+        apply_fused_mlp(ours, backend=backend)
+        torch.manual_seed(0)
+        ours = get_peft_model(ours, register(lora_config(family, **overrides)))
+    else:
+        torch.manual_seed(0)
+        ours = get_peft_model(ours, lora_config(family, **overrides))
+        with adapters_aside(ours):
+            apply_fused_mlp(ours, backend=backend)
+    init, ref_init = get_peft_model_state_dict(ours), get_peft_model_state_dict(ref)
+    assert init.keys() == ref_init.keys(), "PEFT targeted other modules than on the unpatched model"
+    assert all(torch.equal(init[k], ref_init[k]) for k in init), "adapters drawn in another order than plain PEFT's"
+    return base, ref, ours
+
+
+def mlp(model, layer=0):
+    return model.base_model.model.model.layers[layer].mlp
+
+
+def lora_params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
+
+
+@pytest.mark.parametrize("backend", train_backends(lora=True))
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_training_matches_plain_peft(family, order, backend):
+    """Same losses, gradients and adapters as plain PEFT, step by step; dropout draws the same masks."""
+    _, ref, ours = peft_pair(family, order, backend)
+    fused = mlp(ours)
+    assert all(isinstance(getattr(fused, n), PackedLoraLinear) for n in PACKED[family])
+    assert isinstance(fused.down_proj, LoraLinear) and not fused.gate_up_interleaved.requires_grad
+    packed_before = fused.gate_up_interleaved.detach().clone()
+    init = lora_params(ours)
+    batches = token_batches(4, 2, 12, 128)
+    ref_losses = train(ref, batches)
+    torch.manual_seed(0)
+    ours.train()
+    opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    for step, ids in enumerate(batches):
+        loss = ours(input_ids=ids, labels=ids).loss
+        loss.backward()
+        assert abs(loss.item() - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, loss.item(), ref_losses[step])
+        opt.step()
+        opt.zero_grad()
+    trained, ref_trained = lora_params(ours), lora_params(ref)
+    assert trained.keys() == ref_trained.keys()
+    for k in trained:
+        assert not torch.equal(trained[k], init[k]), f"{k} did not train: no gradient reached it"
+        assert rel_err(trained[k], ref_trained[k]) < 1e-5, f"{k}: {rel_err(trained[k], ref_trained[k]):.3g}"
+    assert torch.equal(fused.gate_up_interleaved, packed_before), "the frozen packed weight changed"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_saved_adapter_merge_and_unload_match_plain_peft(family, order, backend, tmp_path):
+    base, ref, ours = peft_pair(family, order, backend, init_lora_weights=False)  # random A and B: a real update
+    ids = token_batches(1, 2, 9, 128)[0]
+    ref.eval(), ours.eval()
+    with torch.no_grad():
+        ref_logits = ref(ids).logits
+        assert rel_err(ours(ids).logits, ref_logits) < 1e-6
+        base_logits = base(ids).logits
+        assert rel_err(base_logits, ref_logits) > 1e-3, "the adapters change nothing: the test could not fail"
+
+    ref.save_pretrained(tmp_path / "ref"), ours.save_pretrained(tmp_path / "ours")
+    ref_files, our_files = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ref", "ours"))
+    assert our_files.keys() == ref_files.keys()
+    assert all(torch.equal(our_files[k], ref_files[k]) for k in ref_files)
+    configs = [json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ref", "ours")]
+    assert configs[0] == configs[1]
+
+    # the saved adapter loads onto a freshly patched base
+    patched = copy.deepcopy(base)
+    apply_fused_mlp(patched, backend=backend)
+    with pytest.raises(ValueError, match="swiglu_patch.lora.register"):
+        PeftModel.from_pretrained(copy.deepcopy(patched), tmp_path / "ours")
+    loaded = PeftModel.from_pretrained(patched, tmp_path / "ours",
+                                       config=register(LoraConfig.from_pretrained(tmp_path / "ours")))
+    with torch.no_grad():
+        assert rel_err(loaded(ids).logits, ref_logits) < 1e-6
+
+    merged_ref, merged = ref.merge_and_unload(), copy.deepcopy(ours).merge_and_unload()
+    assert all(type(getattr(mlp_, n)) is PackedProjection for mlp_ in [m.mlp for m in merged.model.layers]
+               for n in PACKED[family])
+    with torch.no_grad():
+        assert rel_err(merged(ids).logits, merged_ref(ids).logits) < 1e-6
+    unpatch(merged)
+    ref_state, state = merged_ref.state_dict(), merged.state_dict()
+    assert state.keys() == ref_state.keys()
+    assert all(torch.equal(state[k], ref_state[k]) for k in ref_state), "merged weights differ from plain PEFT's"
+
+    unloaded = ours.unload()
+    unpatch(unloaded)
+    assert all(torch.equal(v, base.state_dict()[k]) for k, v in unloaded.state_dict().items())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_several_adapters_disable_and_merge_round_trip(order):
+    _, ref, ours = peft_pair("llama", order, init_lora_weights=False)
+    second = dict(r=2, lora_alpha=3, init_lora_weights=False)
+    ref.add_adapter("second", lora_config("llama", **second))
+    ours.add_adapter("second", register(lora_config("llama", **second)))
+    set_peft_model_state_dict(ours, get_peft_model_state_dict(ref, adapter_name="second"), adapter_name="second")
+    ids = token_batches(1, 2, 9, 128)[0]
+    ref.eval(), ours.eval()
+    with torch.no_grad():
+        for active in (["second"], ["default", "second"]):
+            ref.base_model.set_adapter(active), ours.base_model.set_adapter(active)
+            assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-6, active
+        with ref.disable_adapter(), ours.disable_adapter():
+            assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-6
+        packed = mlp(ours).gate_up_interleaved.detach().clone()
+        ours.merge_adapter(), ref.merge_adapter()
+        assert not torch.equal(mlp(ours).gate_up_interleaved, packed)
+        assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-6
+        ours.unmerge_adapter()
+        assert torch.allclose(mlp(ours).gate_up_interleaved, packed, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_unpatch_keeps_adapters_only_when_set_aside(family):
+    _, ref, ours = peft_pair(family, "patch_then_peft", init_lora_weights=False)
+    with pytest.raises(ValueError, match="would drop its adapters"):
+        unpatch(ours)
+    with adapters_aside(ours):
+        assert unpatch(ours) == 2
+    for name in PACKED[family]:
+        assert type(getattr(mlp(ours), name)) is LoraLinear
+    ids = token_batches(1, 2, 9, 128)[0]
+    with torch.no_grad():
+        assert rel_err(ours.eval()(ids).logits, ref.eval()(ids).logits) < 1e-6
+    ref_state, state = ref.state_dict(), ours.state_dict()
+    assert state.keys() == ref_state.keys() and all(torch.equal(state[k], ref_state[k]) for k in ref_state)
+
+
+def test_unsupported_options_are_refused():
+    patched = tiny_model("llama")
+    apply_fused_mlp(patched, backend="torch")
+    with pytest.raises(ValueError, match="all-linear"):
+        register(LoraConfig(target_modules="all-linear"))
+    with pytest.raises(ValueError, match="DoRA"):
+        register(lora_config("llama", use_dora=True))
+    with pytest.raises(ValueError, match="reads or rewrites the base weight"):
+        register(lora_config("llama", init_lora_weights="pissa"))
+    with pytest.raises(TypeError, match="LoraConfig"):
+        register(dict(r=4))
+    # plain PEFT (not registered) meets the marker and says what to do
+    with pytest.raises(ValueError, match="swiglu_patch.lora.register"):
+        get_peft_model(copy.deepcopy(patched), lora_config("llama"))
+
+    dora = get_peft_model(tiny_model("llama"), lora_config("llama", use_dora=True))
+    before = {k: v.clone() for k, v in dora.state_dict().items()}
+    with pytest.raises(ValueError, match="LoRA variant"):
+        with adapters_aside(dora):
+            apply_fused_mlp(dora, backend="torch")
+    assert all(torch.equal(v, before[k]) for k, v in dora.state_dict().items())
+
+    ours = get_peft_model(patched, register(lora_config("llama")))
+    ours.eval()
+    with pytest.raises(NotImplementedError, match="adapter_names"):
+        ours(token_batches(1, 2, 5, 128)[0], adapter_names=["default", "__base__"])
+
+
+def test_qlora_is_refused(tmp_path):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (pip install bitsandbytes; CPU works)")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model("llama").save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cpu")
+    with pytest.raises(PatchError, match="Linear4bit"):  # patch first: the 4-bit base itself is refused
+        apply_fused_mlp(copy.deepcopy(model))
+    qlora = get_peft_model(model, lora_config("llama"))
+    with pytest.raises(ValueError, match="QLoRA"):
+        with adapters_aside(qlora):
+            apply_fused_mlp(qlora)
+    assert type(mlp(qlora).gate_proj).__name__ == "Linear4bit" and mlp(qlora).gate_proj.base_layer is not None

@@ -1,0 +1,65 @@
+"""Shared pieces of the training-stack tests: the backends to train through, data, a train loop.
+
+`train_backends()` lists "torch" (the differentiable PyTorch reference) and "triton". Triton
+trains once `swiglu_patch.training` (the registered op with its backward) exists; until then
+its cases are strict xfails that expect the NotImplementedError the Triton path raises today,
+so they fail loudly (XPASS) as soon as it starts training. On CPU the Triton kernels run
+under TRITON_INTERPRET=1, in fp32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+TRITON_TRAINS = importlib.util.find_spec("swiglu_patch.training") is not None
+_NO_BACKWARD = "the Triton backend has no backward on this branch (swiglu_patch.training is missing)"
+_NO_LORA_OP = "LoRA through the Triton kernel needs the two-segment op (docs/training_stack.md)"
+
+
+def train_backends(lora: bool = False) -> list:
+    """pytest params for the backend a training test runs: "torch", and "triton" (an xfail where it cannot train).
+
+    Args:
+        lora: the test trains LoRA adapters on the packed projections, which the Triton path
+            refuses until a kernel takes the low-rank segment.
+    """
+    if TRITON_TRAINS and not lora:
+        return ["torch", pytest.param("triton", marks=pytest.mark.slow)]
+    reason = _NO_LORA_OP if lora else _NO_BACKWARD
+    return ["torch", pytest.param("triton", marks=pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                                                                    reason=reason))]
+
+
+def token_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:
+    """`steps` random [batch, seq] int64 batches of token ids in [3, vocab) (past the special ids)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (batch, seq), generator=gen) for _ in range(steps)]
+
+
+def train(model, batches, lr: float = 1e-2, seed: int = 0, optimizer=None) -> list[float]:
+    """Plain loop: AdamW (unless given), causal-LM loss on each batch; the per-step losses.
+
+    The global RNG is reseeded first so dropout draws the same masks in two models that call
+    their random ops in the same order.
+    """
+    torch.manual_seed(seed)
+    model.train()
+    opt = optimizer or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def assert_losses_close(ours: list[float], ref: list[float], rtol: float, what: str) -> None:
+    """Every step's loss within rtol of the reference's (relative)."""
+    assert len(ours) == len(ref)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
+    assert worst <= rtol, f"{what}: worst relative loss difference {worst:.3g} > {rtol:g}\nours {ours}\nref  {ref}"
