@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     "gated_linear": ".functional",
+    "gated_mlp": ".training",
     "GatedEpilogue": ".kernels.epilogue",
     "GATE_UP_BLOCK": ".kernels.layout",
     "PackedGateUp": ".kernels.layout",
@@ -33,6 +34,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .functional import gated_linear
+    from .training import gated_mlp
     from .kernels.epilogue import GatedEpilogue
     from .kernels.layout import GATE_UP_BLOCK, PackedGateUp, pack_gate_up
     from .module import FusedGatedMLP
