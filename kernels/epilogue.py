@@ -78,12 +78,15 @@ class GatedEpilogue:
             object.__setattr__(self, "limit", None if math.isinf(self.limit) else float(self.limit))
         if self.clamp not in ("gate", "activation"):
             raise ValueError(f"GatedEpilogue: clamp must be 'gate' or 'activation', got {self.clamp!r}")
-        # hashed on every kernel call (the dispatcher's plan key): computed once
-        object.__setattr__(self, "_hash", hash((self.activation, self.gate_scale, self.out_scale, self.limit,
-                                                self.clamp)))
 
     def __hash__(self) -> int:
-        return self._hash
+        # hashed on every eager kernel call (the dispatcher's plan key): computed once, on first use
+        # (not in __post_init__, which torch.compile traces when code builds an epilogue)
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.activation, self.gate_scale, self.out_scale, self.limit, self.clamp))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @classmethod
     def of(cls, epilogue: "GatedEpilogue | str") -> "GatedEpilogue":
