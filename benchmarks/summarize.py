@@ -73,10 +73,12 @@ def decode_fit(rows: list[dict], way: str, dtype: str) -> tuple[float, float] | 
     return (1e-6 / slope if slope > 0 else float("inf")), (sy - slope * sx) / n  # µs/byte -> TB/s
 
 
-def run_to_run(new: list[dict], old: list[dict], way: str, m_min: int = 512) -> tuple[float, float, float] | None:
-    """(median, min, max) over the rows both runs hold at M >= m_min of new time / old time of `way`."""
+def run_to_run(new: list[dict], old: list[dict], way: str, m_min: int = 512,
+               m_max: int | None = None) -> tuple[float, float, float] | None:
+    """(median, min, max) over the rows both runs hold at m_min <= M <= m_max of new time / old time of `way`."""
     before = {(r["dtype"], r["shape"], r["M"]): r["ways"][way]["us"] for r in old
-              if r["M"] >= m_min and r["ways"].get(way, {}).get("status") == "ok"}
+              if r["M"] >= m_min and (m_max is None or r["M"] <= m_max)
+              and r["ways"].get(way, {}).get("status") == "ok"}
     ratios = sorted(r["ways"][way]["us"] / before[(r["dtype"], r["shape"], r["M"])] for r in new
                     if (r["dtype"], r["shape"], r["M"]) in before and r["ways"].get(way, {}).get("status") == "ok")
     return (statistics.median(ratios), ratios[0], ratios[-1]) if ratios else None
@@ -95,11 +97,12 @@ def _rows(paths: list[Path]) -> list[dict]:
 def report(rows: list[dict], old: list[dict] | None = None) -> list[str]:
     """The markdown: the run-to-run table against `old` if given, else the regimes and the decode fit."""
     if old is not None:
-        lines = ["| way | M >= 512 rows, this run / the earlier: median | min | max |", "|---|---|---|---|"]
+        lines = ["| way | rows | time this run / the earlier: median | min | max |", "|---|---|---|---|---|"]
         for way in ("ours", "gemm_only"):
-            moved = run_to_run(rows, old, way)
-            if moved:
-                lines.append(f"| {way} | {moved[0]:.3f} | {moved[1]:.3f} | {moved[2]:.3f} |")
+            for label, low, high in (("M <= 16", 1, 16), ("32 <= M <= 256", 32, 256), ("M >= 512", 512, None)):
+                moved = run_to_run(rows, old, way, low, high)
+                if moved:
+                    lines.append(f"| {way} | {label} | {moved[0]:.3f} | {moved[1]:.3f} | {moved[2]:.3f} |")
         return lines
     lines = ["| dtype | regime | shapes | rows | ours / gemm_only | ours / best other | floor / ours |",
              "|---|---|---|---|---|---|---|"]
