@@ -13,10 +13,14 @@ def _blocks(section: str) -> list[str]:
 
 
 def test_the_cpu_quickstart_runs_as_written(capsys):
-    code = _blocks("Quickstart")[0]
-    assert "from_config" in code and "cuda" not in code
-    exec(compile(code, "README.md quickstart", "exec"), {})
+    first, _, training = _blocks("Quickstart")[:3]
+    assert "from_config" in first and "cuda" not in first + training
+    scope: dict = {}
+    exec(compile(first, "README.md quickstart", "exec"), scope)
     assert "apply_fused_mlp: patched 2 MLP(s)" in capsys.readouterr().out
+    exec(compile(training, "README.md training", "exec"), scope)
+    lora_b = [p for n, p in scope["lora"].named_parameters() if "lora_B" in n and "gate_proj" in n]
+    assert lora_b and all(p.grad is not None for p in lora_b)
 
 
 def test_readme_is_short():
