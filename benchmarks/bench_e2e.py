@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .harness.cli import Parser, UsageError, guarded, read_json, require_cuda, write_json
@@ -56,29 +57,19 @@ CACHES = ("dynamic", "static")
 MODES = ("eager", "patched")
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
     p.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b", help="the model's dimensions")
-    p.add_argument("--layers", type=_positive, help="decoder layers (default 8; the dry run 2)")
+    p.add_argument("--layers", type=positive_int, help="decoder layers (default 8; the dry run 2)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="what to measure (default all)")
     p.add_argument("--cache", nargs="+", choices=CACHES, default=list(CACHES), help="generate: cache kinds")
-    p.add_argument("--batches", type=_positive, nargs="+", help="generate, graph, host: batch sizes (default 1 8 32)")
-    p.add_argument("--prefill", type=_positive, nargs="+", help="prefill: prompt lengths (default 4096 8192)")
-    p.add_argument("--new-tokens", type=_positive, help="tokens generated per call (default 128), >= 2")
-    p.add_argument("--prompt", type=_positive, help="prompt length of generate and graph (default 128)")
-    p.add_argument("--rounds", type=_positive, help="rounds eager and patched take turns in (default 5)")
-    p.add_argument("--host-calls", type=_positive, default=200, help="host: timed calls per MLP and batch")
+    p.add_argument("--batches", type=positive_int, nargs="+", help="generate, graph, host: batch sizes (default 1 8 32)")
+    p.add_argument("--prefill", type=positive_int, nargs="+", help="prefill: prompt lengths (default 4096 8192)")
+    p.add_argument("--new-tokens", type=positive_int, help="tokens generated per call (default 128), >= 2")
+    p.add_argument("--prompt", type=positive_int, help="prompt length of generate and graph (default 128)")
+    p.add_argument("--rounds", type=positive_int, help="rounds eager and patched take turns in (default 5)")
+    p.add_argument("--host-calls", type=positive_int, default=200, help="host: timed calls per MLP and batch")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, backend torch: checks every part")

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .harness.cli import Parser, UsageError, guarded, read_json, require_cuda, write_json
@@ -55,24 +56,14 @@ GATED_LINEAR_TARGET_US = 25.0
 MLP_TARGET = 0.75
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
     p.add_argument("--shape", choices=sorted(MODELS), default="llama-3-8b", help="the MLP's dimensions")
-    p.add_argument("--calls", type=_positive, help="timed calls per way (default 400; the dry run 20)")
-    p.add_argument("--rounds", type=_positive, default=5, help="rounds the ways take turns in")
+    p.add_argument("--calls", type=positive_int, help="timed calls per way (default 400; the dry run 20)")
+    p.add_argument("--rounds", type=positive_int, default=5, help="rounds the ways take turns in")
     p.add_argument("--profile", action="store_true", help="also a cProfile of the patched MLP forward")
-    p.add_argument("--profile-calls", type=_positive, default=200, help="patched forwards in the profile")
+    p.add_argument("--profile-calls", type=positive_int, default=200, help="patched forwards in the profile")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="tiny model on CPU, torch backend: checks the pipeline")

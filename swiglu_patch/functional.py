@@ -21,15 +21,16 @@ _CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
 _dispatch_module = None
 
 
-def _dispatch():
-    """The kernels' dispatcher, imported on first use (the torch backend needs no Triton)."""
+def dispatcher():
+    """The kernels' dispatcher module (`swiglu_patch.kernels.dispatch`), imported on first use:
+    the torch backend needs no Triton."""
     global _dispatch_module
     if _dispatch_module is None:
         try:
             from .kernels import dispatch
         except ImportError as e:  # triton missing (not Linux) or broken
             raise ImportError(
-                f"gated_linear: backend='triton' needs Triton ({e}); `pip install triton` on Linux, "
+                f"swiglu_patch: backend='triton' needs Triton ({e}); `pip install triton` on Linux, "
                 "or use backend='torch'"
             ) from e
         _dispatch_module = dispatch
@@ -40,7 +41,7 @@ def _dispatch():
 def _gated_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
                    gate_scale: float, out_scale: float, clamp: int, limit: float) -> torch.Tensor:
     epilogue = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, _CLAMPS[clamp] or "gate")
-    return _dispatch().gated_gemm(x, weight, epilogue, bias)
+    return dispatcher().gated_gemm(x, weight, epilogue, bias)
 
 
 @_gated_gemm_op.register_fake
@@ -59,7 +60,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"gated_linear: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not _dispatch().interpreting():
+    if backend == "triton" and device.type != "cuda" and not dispatcher().interpreting():
         raise RuntimeError(
             f"gated_linear: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
             "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use backend='torch'"
@@ -107,7 +108,7 @@ def gated_linear_interleaved(
             out = _gated_gemm_op(x2d, weight, bias, epilogue.activation, epilogue.gate_scale, epilogue.out_scale,
                                  CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp], epilogue.limit or 0.0)
         else:  # eager: skip the dispatcher's overhead on the hot path
-            out = (_dispatch_module or _dispatch()).gated_gemm(x2d, weight, epilogue, bias)
+            out = (_dispatch_module or dispatcher()).gated_gemm(x2d, weight, epilogue, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 

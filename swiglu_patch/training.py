@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .functional import dispatcher as _dispatch
 from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
 from .kernels.layout import PackedGateUp, interleave_gate_up, split_interleaved
 
@@ -47,22 +48,6 @@ BACKENDS = ("auto", "triton", "torch")
 _CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-_dispatch_module = None
-
-
-def _dispatch():
-    """The kernels' dispatcher, imported on first use (the torch backend needs no Triton)."""
-    global _dispatch_module
-    if _dispatch_module is None:
-        try:
-            from .kernels import dispatch
-        except ImportError as e:  # triton missing (not Linux) or broken
-            raise ImportError(f"gated_mlp: backend='triton' needs Triton ({e}); `pip install triton` on Linux, or "
-                              "use backend='torch'") from e
-        _dispatch_module = dispatch
-    return _dispatch_module
-
 
 # -- the backward epilogue, written out in PyTorch (the spec of the kernels' derivative) ----
 

@@ -67,7 +67,7 @@ def test_parts_and_caches_narrow_the_run(tmp_path):
     (["--dry-run"], "--out is required"),
     (["--dry-run", "--out", "X", "--shape", "llama-9000"], "invalid choice: 'llama-9000'"),
     (["--dry-run", "--out", "X", "--cache", "paged"], "invalid choice: 'paged'"),
-    (["--dry-run", "--out", "X", "--batches", "0"], "expected a positive integer, got 0"),
+    (["--dry-run", "--out", "X", "--batches", "0"], "expected an integer >= 1, got '0'"),
     (["--dry-run", "--out", "X", "--new-tokens", "1"], "--new-tokens must be >= 2"),
     (["--out", "X", "--layers", "40"], "--layers 40: Llama-3-8B has 32"),
     (["--render", "missing.json"], "missing.json: no such file"),

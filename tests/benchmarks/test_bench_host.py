@@ -43,7 +43,7 @@ def test_targets_by_hand():
 
 @pytest.mark.parametrize("argv,message", [
     (["--dry-run"], "--out is required"),
-    (["--dry-run", "--out", "X", "--calls", "0"], "expected a positive integer, got 0"),
+    (["--dry-run", "--out", "X", "--calls", "0"], "expected an integer >= 1, got '0'"),
     (["--dry-run", "--out", "X", "--shape", "gpt-2"], "invalid choice: 'gpt-2'"),
     (["--render", "missing.json"], "missing.json: no such file"),
 ])

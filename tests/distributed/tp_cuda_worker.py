@@ -6,7 +6,7 @@ tests/distributed/tp_cuda_worker.py`, with OUT=folder for tp_cuda.json). Each ra
 GPU; it records the relative error of the TP model's logits against the single-GPU model's,
 unpatched and patched, greedy tokens of both, and whether unpatch restores the TP logits.
 """
-import json, os, sys, time
+import json, os, time
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
