@@ -90,8 +90,8 @@ def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                approx_tanh: bool | None) -> tuple:
     """Everything the plan and the argument checks depend on, as one hashable tuple: a call whose
     signature was seen before needs neither again."""
-    m = x.shape[0]
-    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, x.shape[-1], weight.dtype,
+    m, k = x.shape
+    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, k, weight.dtype,
             weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
             approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(),
             x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
@@ -187,7 +187,7 @@ def gated_gemm(
         plan = _PLANS[signature] = _build_plan(x, weight, bias, epilogue, approx_tanh, signature[-2])
     m = x.shape[0]
     if out is None:
-        out = torch.empty((m, weight.shape[0] >> 1), dtype=x.dtype, device=x.device)
+        out = x.new_empty((m, weight.shape[0] >> 1))
     if m == 0:
         return out
     if bias is not None and bias.stride(0) != 1:

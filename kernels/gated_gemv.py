@@ -91,8 +91,9 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
 
     def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         i = weight.shape[0] >> 1
-        kernel(ceil_div(i, bn), x.device.index or 0, x, weight, weight if bias is None else bias, out,
-               i, x.shape[1], x.stride(1), weight.stride(0), weight.stride(1), out.stride(1))
+        w_rows, w_cols = weight.stride()
+        kernel(ceil_div(i, bn), x.get_device(), x, weight, weight if bias is None else bias, out,
+               i, x.shape[1], x.stride()[1], w_rows, w_cols, out.stride()[1])
         return out
 
     return launch

@@ -16,11 +16,19 @@ profiler such as proton) is installed.
 
 Runtime arguments are passed positionally; all constexprs must follow them in the kernel's
 signature (checked on the first call).
+
+The hot path, for kernels whose runtime arguments are tensors first and ints after (every
+kernel here but the TMA-descriptor ones): the ints themselves, with whether every tensor is
+16-byte aligned and the tensors' dtypes, key a second table, so a repeated call costs one
+tuple hash instead of a per-argument specialization. Where the Triton version's launcher
+layout is known (3.6) and the kernel needs no scratch memory, the launch then calls Triton's
+C launch function directly, skipping the Python wrapper around it.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
 from triton import knobs
 from triton.runtime import driver
 
@@ -36,6 +44,13 @@ def _spec(args: tuple) -> tuple:
         else type(a)
         for a in args
     ])
+
+
+# Triton versions whose `CudaLauncher.__call__` forwards (grid, stream, function, cooperative,
+# pdl, global scratch, profile scratch, *args) to its C `launch` unchanged: the direct call below
+# is that call with both scratch pointers None.
+_DIRECT_C_LAUNCH = tuple(int(v) for v in triton.__version__.split(".")[:2]) == (3, 6)
+_INT_TAIL_MAX = 1024  # int-keyed entries kept per FastLaunch (distinct M values and strides)
 
 
 def _hooks_installed() -> bool:
@@ -56,6 +71,8 @@ class FastLaunch:
         self.kernel = kernel
         self.constexprs = constexprs
         self._compiled: dict[tuple, object] = {}  # specialization -> triton CompiledKernel
+        self._by_ints: dict[tuple, tuple] = {}  # (ints, dtypes) -> (launch function, its leading args)
+        self._n_tensors: int | None = None  # leading tensor arguments, when all the rest are ints
         self._nones: tuple | None = None
         self._fast = not interpreting()
 
@@ -64,18 +81,51 @@ class FastLaunch:
         if not self._fast or _hooks_installed():
             self.kernel[(grid,)](*args, **self.constexprs)
             return
+        n = self._n_tensors
+        if n is not None:
+            tensors, ints = args[:n], args[n:]
+            aligned = True
+            for t in tensors:
+                if t.data_ptr() & 15:
+                    aligned = False
+                    break
+            if aligned:
+                entry = self._by_ints.get((ints, tuple([t.dtype for t in tensors])))
+                if entry is not None:
+                    fn, lead = entry
+                    fn(grid, 1, 1, driver.active.get_current_stream(device_index), *lead, *args, *self._nones)
+                    return
         key = _spec(args)
         compiled = self._compiled.get(key)
         if compiled is None:
             self._compiled[key] = self.kernel[(grid,)](*args, **self.constexprs)
             if self._nones is None:
-                params = self.kernel.params
-                if any(p.is_constexpr for p in params[: len(args)]) or not all(
-                        p.is_constexpr for p in params[len(args):]):
-                    raise TypeError(f"FastLaunch: {self.kernel.__name__} must take its runtime arguments first, "
-                                    "then only constexprs")
-                self._nones = (None,) * (len(params) - len(args))
+                self._learn_layout(args)
             return
-        stream = driver.active.get_current_stream(device_index)
-        compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *self._nones)
+        if n is not None and all(a[1] for a in key[:n]) and len(self._by_ints) < _INT_TAIL_MAX:
+            self._by_ints[(args[n:], tuple([t.dtype for t in args[:n]]))] = _entry(compiled)
+        compiled.run(grid, 1, 1, driver.active.get_current_stream(device_index), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *self._nones)
+
+    def _learn_layout(self, args: tuple) -> None:
+        """On the first launch: check the constexprs follow the runtime arguments, and whether the
+        runtime arguments are tensors first and ints after (the int-keyed hot path)."""
+        params = self.kernel.params
+        if any(p.is_constexpr for p in params[: len(args)]) or not all(p.is_constexpr for p in params[len(args):]):
+            raise TypeError(f"FastLaunch: {self.kernel.__name__} must take its runtime arguments first, "
+                            "then only constexprs")
+        self._nones = (None,) * (len(params) - len(args))
+        n = next((j for j, a in enumerate(args) if not isinstance(a, torch.Tensor)), len(args))
+        if all(type(a) is int for a in args[n:]):
+            self._n_tensors = n
+
+
+def _entry(compiled) -> tuple:
+    """(function, leading arguments) launching `compiled` as ``function(gx, gy, gz, stream, *leading,
+    *kernel args)``: Triton's C launch function where that is safe, else the compiled kernel's run."""
+    run = compiled.run
+    if (_DIRECT_C_LAUNCH and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch")):
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                            compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)

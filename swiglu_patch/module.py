@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
@@ -74,25 +75,30 @@ class FusedGatedMLP(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wrapped = [m for name in self._packed_names if type(m := self._modules[name]) is not PackedProjection]
+        modules, params = self._modules, self._parameters  # direct reads: nn.Module.__getattr__ costs host time
+        wrapped = [m for name in self._packed_names if type(m := modules[name]) is not PackedProjection]
         if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
             x_lr, b_lr = low_rank_operands(wrapped, x)
             if x_lr is not None:
-                h = gated_linear_low_rank(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, x_lr, b_lr,
-                                          self.epilogue, self.backend)
+                h = gated_linear_low_rank(x, params["gate_up_interleaved"], params.get("gate_up_interleaved_bias"),
+                                          x_lr, b_lr, self.epilogue, self.backend)
                 return self.down(h)
-        down = self.down
-        if torch.is_grad_enabled() and _plain_linear(down) and (
-            x.requires_grad or self.gate_up_interleaved.requires_grad or down.weight.requires_grad
-            or any(b is not None and b.requires_grad for b in (self.gate_up_interleaved_bias, down.bias))
+        weight, bias = params["gate_up_interleaved"], params.get("gate_up_interleaved_bias")
+        down = modules[self.family.down]
+        plain_down = _plain_linear(down)
+        if torch.is_grad_enabled() and plain_down and (
+            x.requires_grad or weight.requires_grad or down.weight.requires_grad
+            or any(b is not None and b.requires_grad for b in (bias, down.bias))
         ):  # training: the whole MLP as one op with its backward (`swiglu_patch.training`)
-            tensors = (x, self.gate_up_interleaved, self.gate_up_interleaved_bias, down.weight, down.bias)
+            tensors = (x, weight, bias, down.weight, down.bias)
             if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
                 dtype = torch.get_autocast_dtype(x.device.type)
                 tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
             return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend)
-        h = gated_linear_interleaved(x, self.gate_up_interleaved, self.gate_up_interleaved_bias, self.epilogue,
-                                     self.backend)
+        h = gated_linear_interleaved(x, weight, bias, self.epilogue, self.backend)
+        if plain_down and not (_GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1]):  # nn.Linear.forward, without __call__
+            down_params = down._parameters
+            return F.linear(h, down_params["weight"], down_params["bias"])
         return down(h)
 
     @property
@@ -263,6 +269,11 @@ class PackedProjection(nn.Module):
             "through swiglu_patch.lora.register(config) before get_peft_model, or call get_peft_model before "
             "apply_fused_mlp"
         )
+
+
+# torch's global forward hooks (`register_module_forward_hook`, `..._pre_hook`), which a module's
+# __call__ runs: dicts that registering a hook fills in place
+_GLOBAL_FORWARD_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks)
 
 
 def _plain_linear(m: nn.Module) -> bool:

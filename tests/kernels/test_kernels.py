@@ -301,3 +301,41 @@ def test_fast_launch_specialization_keys():
     assert _spec((t,)) != _spec((t.float(),))
     assert len({_spec((v,)) for v in (1, 2, 16, 17, 2**31, -(2**31) - 1)}) == 5  # 2 and 17 alike
     assert _spec((2,)) == _spec((17,)) and _spec((32,)) == _spec((16,))
+
+
+@pytest.mark.skipif(not CUDA, reason="the int-keyed launch path runs only on CUDA (the interpreter takes Triton's)")
+def test_fast_launch_int_keyed_path_relaunches_only_what_it_compiled():
+    """Repeated calls with the same ints, aligned tensors and dtypes take the int-keyed entry (and,
+    on Triton 3.6, its C launch function); a call that differs in any of these must not reuse it."""
+    import triton
+    import triton.language as tl
+
+    from swiglu_patch.kernels.launcher import FastLaunch
+
+    @triton.jit
+    def scale_copy(src, dst, n, stride, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs * stride, mask=offs < n) * 2, mask=offs < n)
+
+    fast = FastLaunch(scale_copy, dict(BLOCK=128))
+    base = torch.randn(4096, device=DEVICE)
+
+    def run(src, n, stride, dtype=torch.float32):
+        src = src.to(dtype)
+        dst = torch.full((n,), float("nan"), device=DEVICE, dtype=dtype)
+        fast(triton.cdiv(n, 128), 0, src, dst, n, stride)
+        torch.testing.assert_close(dst, src[: n * stride: stride][:n] * 2, rtol=0, atol=0)
+
+    for _ in range(3):
+        run(base, 1000, 1)
+    assert len(fast._by_ints) == 1
+    run(base[1:], 1000, 1)  # 4-byte offset: unaligned, not the aligned entry
+    run(base, 999, 1)
+    run(base, 500, 2)
+    run(base, 1000, 1, torch.float16)
+    run(base, 1000, 1, torch.float16)
+    run(base, 1000, 1, torch.float16)
+    run(base, 1, 1)  # n == 1: Triton specializes on it
+    run(base, 1, 1)
+    run(base, 1, 1)
+    assert len(fast._by_ints) >= 3
