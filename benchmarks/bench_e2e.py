@@ -27,6 +27,11 @@ ratio. The parts (`--parts`, default all):
   serving engine runs); tokens/s = B / (CUDA-event time per step). Uncaptured on CPU.
 - host: host µs of one call of layer 0's MLP on x [B, 1, hidden] (a decode step's MLP call),
   started on an idle GPU (`harness/host_time.py`), eager `forward` against the patched one.
+- profile: one `generate` call per (cache, batch, mode) under torch.profiler with each MLP's
+  forward marked (`harness/step_profile.py`; with the dynamic cache only: hooks would change a
+  compiled forward): per decode step, wall time, all GPU kernel time, the MLPs' GPU time, the
+  host time inside the MLPs, and how busy the GPU was: where a step's time goes, and what the
+  MLP is of it.
 - agreement (always): patched against eager logits on a probe prompt, and how many leading greedy
   tokens the two `generate` runs share.
 
@@ -52,7 +57,7 @@ from .harness.models import MODELS, TINY, build_model, mlps
 from .harness.report_e2e import SCHEMA, leading, render_markdown, summary_lines
 
 PROG = "python -m benchmarks.bench_e2e"
-PARTS = ("prefill", "generate", "graph", "host")
+PARTS = ("prefill", "generate", "graph", "host", "profile")
 CACHES = ("dynamic", "static")
 MODES = ("eager", "patched")
 
@@ -217,6 +222,36 @@ def measure_host(models: dict, args, device, dims, sync) -> list[dict]:
     return rows
 
 
+def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
+    """One profiled `generate` call per (cache, batch, mode), after the untimed calls of `generate`
+    (or one here) compiled and warmed it; figures per decode step (/ new tokens)."""
+    from .harness.step_profile import profile_call
+
+    new, rows = args.new_tokens, []
+    if "static" in args.cache:
+        _allow_static_recompiles()
+    for cache in args.cache:
+        extra = {"cache_implementation": "static"} if cache == "static" else {}
+        for batch in args.batches:
+            ids = torch.randint(2, vocab, (batch, args.prompt), generator=gen).to(device)
+            row = {"cache": cache, "batch": batch, "new_tokens": new}
+            for mode, model in models.items():
+                def call(model=model):
+                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False, **extra)
+
+                call()  # warm (a static cache compiles on its first call)
+                marked = mlps(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
+                got = profile_call(call, marked, sync, device.type == "cuda")
+                row[mode] = {k: (v / new if k.endswith("_ms") and v is not None else v) for k, v in got.items()}
+            rows.append(row)
+            e, p = row["eager"], row["patched"]
+            print(f"[bench_e2e] profile {cache:7s} batch {batch:3d}: ms/step eager {e['wall_ms']:.2f} "
+                  f"(GPU {e['gpu_ms'] or 0:.2f}, MLP GPU {e['mlp_gpu_ms'] or 0:.2f}), patched {p['wall_ms']:.2f} "
+                  f"(GPU {p['gpu_ms'] or 0:.2f}, MLP GPU {p['mlp_gpu_ms'] or 0:.2f})", flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict:
     from swiglu_patch import apply_fused_mlp
 
@@ -259,6 +294,8 @@ def run(args: argparse.Namespace) -> dict:
             data["graph"] = measure_graph(models, args, device, dims.vocab, gen)
         if "host" in args.parts:
             data["host"] = measure_host(models, args, device, dims, sync)
+        if "profile" in args.parts:
+            data["profile"] = measure_profile(models, args, device, dims.vocab, gen, sync)
     diff = logits["patched"] - logits["eager"]
     data["agreement"] = {
         "probe_tokens": probe.shape[1],

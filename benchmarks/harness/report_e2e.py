@@ -113,6 +113,27 @@ def _host(data: dict) -> list[str]:
     return lines
 
 
+def _profile(data: dict) -> list[str]:
+    lines = ["", "## Where a decode step's time goes (torch.profiler, one `generate` call per row)", "",
+             "Per decode step (call / new tokens), under the profiler (which slows the host: wall times here are "
+             "longer than the `generate` table's). GPU: all kernel time; MLP GPU: kernel time inside the MLP "
+             "modules' forwards; MLP host: CPU time inside them; GPU busy: GPU / wall (well below 1: the step "
+             "waits on the host). MLP columns: dynamic cache only (hooks marking the MLPs would change a "
+             "compiled forward).", "",
+             "| cache | batch | mode | wall ms | GPU ms | MLP GPU ms (share of GPU) | MLP host ms (share of wall) "
+             "| GPU busy |", "|---|---|---|---|---|---|---|---|"]
+    for r in data["profile"]:
+        for mode in ("eager", "patched"):
+            p = r[mode]
+            gpu, mlp_gpu, mlp_host = p["gpu_ms"], p["mlp_gpu_ms"], p["mlp_host_ms"]
+            gpu_share = mlp_gpu / gpu if gpu and mlp_gpu is not None else None
+            wall_share = mlp_host / p["wall_ms"] if mlp_host is not None else None
+            lines.append(f"| {r['cache']} | {r['batch']} | {mode} | {p['wall_ms']:.2f} | {_f(gpu, '.2f')} | "
+                         f"{_f(mlp_gpu, '.2f')} ({_f(gpu_share, '.0%')}) | {_f(mlp_host, '.2f')} "
+                         f"({_f(wall_share, '.0%')}) | {_f(p['gpu_busy'], '.2f')} |")
+    return lines
+
+
 def _agreement(data: dict) -> list[str]:
     a = data["agreement"]
     lines = ["", "## Agreement of patched with eager", "",
@@ -129,7 +150,8 @@ def _agreement(data: dict) -> list[str]:
 def render_markdown(data: dict) -> str:
     """The whole report as markdown."""
     lines = _header(data)
-    for key, part in (("prefill", _prefill), ("generate", _generate), ("graph", _graph), ("host", _host)):
+    for key, part in (("prefill", _prefill), ("generate", _generate), ("graph", _graph), ("host", _host),
+                      ("profile", _profile)):
         if data.get(key):
             lines += part(data)
     return "\n".join(lines + _agreement(data)) + "\n"

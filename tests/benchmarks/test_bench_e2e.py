@@ -1,5 +1,6 @@
 """benchmarks/bench_e2e.py on CPU: the dry run exercises every part (prefill, generate with a
-dynamic and a static cache, the uncaptured graph decode, host time per MLP call) on a tiny model
+dynamic and a static cache, the uncaptured graph decode, host time per MLP call, the profiled
+decode step) on a tiny model
 of each shape, the report renders from the JSON alone, and bad arguments are one-line errors."""
 
 from __future__ import annotations
@@ -37,11 +38,18 @@ def test_dry_run_exercises_every_part_and_renders(tmp_path):
     assert [len(g["tokens"]["eager"]) for g in data["graph"]] == [3]
     host = data["host"][0]
     assert host["batch"] == 1 and host["eager"]["calls"] == 4 and host["patched"]["median_us"] > 0
+    profiled = {(r["cache"], r["batch"]): r for r in data["profile"]}
+    assert set(profiled) == {("dynamic", 1), ("static", 1)}
+    for mode in ("eager", "patched"):
+        dynamic, static = profiled["dynamic", 1][mode], profiled["static", 1][mode]
+        assert dynamic["mlp_calls"] == 2 * 3  # every layer's MLP once per forward: the prompt, then 2 steps
+        assert 0 < dynamic["mlp_host_ms"] < dynamic["wall_ms"]
+        assert dynamic["gpu_ms"] is None and static["mlp_calls"] == 0 and static["mlp_host_ms"] is None
     assert data["agreement"]["top1_agree"] > 0.5
     assert [g["cache"] for g in data["agreement"]["generate_leading_tokens"]] == ["dynamic", "static"]
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Prefill", "## HF generate", "## Decode, the step captured", "## Host time per MLP call",
-                    "## Agreement"):
+                    "## Where a decode step's time goes", "## Agreement"):
         assert heading in md
     assert "| static | 1 |" in md and "dry run on CPU" in md and "abc123" in md
     (tmp_path / "results.md").unlink()

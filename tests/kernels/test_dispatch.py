@@ -175,9 +175,16 @@ def test_auto_runs_what_choose_names_eager_and_captured(monkeypatch, m, k, i):
     x, gate, up, bg, bu = make_case(m, k, i, torch.bfloat16, bias=True)
     packed, bias = packed_of(gate, up), packed_of(bg, bu)
     ran = []
+
+    def recording(name, real):
+        def make_launcher(config, *args, **kwargs):
+            launch = real(config, *args, **kwargs)
+            return lambda *a, **kw: ran.append((name, config)) or launch(*a, **kw)
+        return make_launcher
+
     for name, module in dispatch._MODULES.items():
-        real = module.launch
-        monkeypatch.setattr(module, "launch", lambda *a, real=real, name=name: ran.append((name, a[4])) or real(*a))
+        monkeypatch.setattr(module, "make_launcher", recording(name, module.make_launcher))
+    monkeypatch.setattr(dispatch, "_PLANS", {})  # plans built from here on hold recording launchers
     name = torch.cuda.get_device_name(0)
     for captured in (False, True):
         _, rule, config = dispatch.choose(name, torch.bfloat16, m, k, i, captured)
