@@ -129,10 +129,9 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
         p = out if preact is None else preact  # not read unless STORE_PREACT
         if store_preact and preact is None:
             raise ValueError("gated_gemm_pointer: a STORE_PREACT launcher needs preact")
-        kernel(ceil_div(m, bm) * ceil_div(i, bn), x.device.index or 0,
+        kernel(ceil_div(m, bm) * ceil_div(i, bn), x.get_device(),
                x, weight, weight if bias is None else bias, out, p, m, i, k,
-               x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-               p.stride(0), p.stride(1))
+               *x.stride(), *weight.stride(), *out.stride(), *p.stride())
         return out
 
     return launch
