@@ -110,8 +110,15 @@ def build_way(way: str, args, device, dtype, checkpointing: bool):
         apply_liger, reason = _liger_or_reason()
         if apply_liger is None:
             raise RuntimeError(reason)
-        apply_liger(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=False, swiglu=True,
-                    model=model)
+        from transformers.models.llama import modeling_llama
+
+        classes = dict(vars(modeling_llama))
+        try:
+            apply_liger(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=False,
+                        swiglu=True, model=model)
+        finally:  # Liger also swaps modeling_llama's classes, which every later model would be built from
+            for name, value in classes.items():
+                setattr(modeling_llama, name, value)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.fsdp2:
