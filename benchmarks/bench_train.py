@@ -615,6 +615,13 @@ def main(argv=None) -> int:
     if not cuda and not args.dry_run:
         print("bench_train: no CUDA device; pass --dry-run to check the script on CPU", file=sys.stderr)
         return 2
+    from swiglu_patch.kernels.device import interpreting
+
+    if args.dry_run and not interpreting():
+        print("bench_train: --dry-run runs the kernels in Triton's interpreter, but this process imported Triton "
+              "without it; run it in a fresh process (it sets TRITON_INTERPRET=1) or with TRITON_INTERPRET=1",
+              file=sys.stderr)
+        return 2
     timer = Timer(cuda, reps=args.reps if cuda else 2, rounds=args.rounds if cuda else 1, warmup=3 if cuda else 1)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"environment": environment(device, args.commit), "timer": vars(timer), "correctness": [], "parts": {},

@@ -3,8 +3,12 @@
 Each MLP module's forward runs inside a `torch.profiler.record_function("mlp")` range (a forward
 pre-hook opens it, a forward hook closes it), so the profile splits both clocks:
 
-- GPU: kernel time under the MLP ranges (`device_time_total` of the ranges: their kernels and
-  their children's) against all kernel time of the call;
+- GPU: kernel time under the MLP ranges against all kernel time of the call. All kernel time
+  is summed over the device-side events. The profiler links a kernel to the range that launched
+  it through the launching runtime call; Triton's launcher calls the driver directly, which the
+  profiler leaves unlinked, so the fused kernels (names starting `_gated`, launched only inside
+  fused MLPs) are added to the MLP time from the device-side events unless a range already
+  holds them;
 - host: CPU time inside the MLP ranges against the call's wall time.
 
 The profiler adds host time to every op, so the wall time here is longer than an unprofiled
@@ -22,6 +26,12 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 MLP_RANGE = "mlp"
+FUSED_KERNEL_PREFIX = "_gated"  # the names of swiglu_patch's Triton kernels
+
+
+def _linked_kernels(event) -> list:
+    """Kernels the profiler linked to `event` or to the ops under it."""
+    return list(event.kernels) + [k for child in event.cpu_children for k in _linked_kernels(child)]
 
 
 class _MarkedMLPs:
@@ -68,10 +78,13 @@ def profile_call(fn: Callable[[], object], mlp_modules: list[torch.nn.Module], s
             wall = time.perf_counter() - t0
     finally:
         marks.remove()
-    cpu_events = [e for e in prof.events() if e.device_type == DeviceType.CPU]
-    ranges = [e for e in cpu_events if e.name == MLP_RANGE]
-    gpu_us = sum(e.self_device_time_total for e in cpu_events) if cuda else 0.0
-    mlp_gpu_us = sum(e.device_time_total for e in ranges) if cuda else 0.0
+    events = prof.events()
+    ranges = [e for e in events if e.device_type == DeviceType.CPU and e.name == MLP_RANGE]
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    gpu_us = sum(e.time_range.elapsed_us() for e in kernels)
+    mlp_gpu_us = sum(e.device_time_total for e in ranges)
+    if not any(k.name.startswith(FUSED_KERNEL_PREFIX) for r in ranges for k in _linked_kernels(r)):
+        mlp_gpu_us += sum(e.time_range.elapsed_us() for e in kernels if e.name.startswith(FUSED_KERNEL_PREFIX))
     wall_ms = wall * 1e3
     marked = bool(mlp_modules)
     return {
