@@ -147,10 +147,10 @@ def _allow_static_recompiles() -> None:
         config.fail_on_recompile_limit_hit = True
 
 
-def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
-    """Every (cache, batch): one untimed call per mode (a static cache compiles there), then
-    `rounds` rounds of one call per mode in turns."""
-    new, rows = args.new_tokens, []
+def generate_cases(args, device, vocab: int, gen: torch.Generator):
+    """(cache, batch, call) for every cache kind and batch: call(model) runs greedy `generate`
+    on [batch, prompt] random prompts with exactly `new_tokens` new tokens."""
+    new = args.new_tokens
     if "static" in args.cache:
         _allow_static_recompiles()
     for cache in args.cache:
@@ -163,25 +163,33 @@ def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generato
                 return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                       do_sample=False, **extra)
 
-            first_s, tokens = {}, {}
-            for mode, model in models.items():
-                sync()
-                t0 = time.perf_counter()
-                out = call(model)
-                sync()
-                first_s[mode] = time.perf_counter() - t0
-                tokens[mode] = out[0, args.prompt:].tolist()
-                if out.shape[1] != args.prompt + new:
-                    raise RuntimeError(f"bench_e2e: generate made {out.shape[1] - args.prompt} tokens, not {new}")
-            times = in_turns({mode: (lambda m=m: call(m)) for mode, m in models.items()}, args.rounds, sync)
-            row = {"cache": cache, "batch": batch, "new_tokens": new, "prompt": args.prompt,
-                   "compiled": cache == "static" and device.type == "cuda", "first_call_s": first_s,
-                   **_pair(times, batch * new), "tokens": tokens}
-            rows.append(row)
-            s = row["speedup"]
-            print(f"[bench_e2e] generate {cache:7s} batch {batch:3d}: eager {row['eager']['per_s']:9.1f} tok/s, "
-                  f"patched {row['patched']['per_s']:9.1f}, patched/eager {s['median']:.3f}x "
-                  f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
+            yield cache, batch, call
+
+
+def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
+    """Every (cache, batch): one untimed call per mode (a static cache compiles there), then
+    `rounds` rounds of one call per mode in turns."""
+    new, rows = args.new_tokens, []
+    for cache, batch, call in generate_cases(args, device, vocab, gen):
+        first_s, tokens = {}, {}
+        for mode, model in models.items():
+            sync()
+            t0 = time.perf_counter()
+            out = call(model)
+            sync()
+            first_s[mode] = time.perf_counter() - t0
+            tokens[mode] = out[0, args.prompt:].tolist()
+            if out.shape[1] != args.prompt + new:
+                raise RuntimeError(f"bench_e2e: generate made {out.shape[1] - args.prompt} tokens, not {new}")
+        times = in_turns({mode: (lambda m=m: call(m)) for mode, m in models.items()}, args.rounds, sync)
+        row = {"cache": cache, "batch": batch, "new_tokens": new, "prompt": args.prompt,
+               "compiled": cache == "static" and device.type == "cuda", "first_call_s": first_s,
+               **_pair(times, batch * new), "tokens": tokens}
+        rows.append(row)
+        s = row["speedup"]
+        print(f"[bench_e2e] generate {cache:7s} batch {batch:3d}: eager {row['eager']['per_s']:9.1f} tok/s, "
+              f"patched {row['patched']['per_s']:9.1f}, patched/eager {s['median']:.3f}x "
+              f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
     return rows
 
 
@@ -228,27 +236,18 @@ def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator
     from .harness.step_profile import profile_call
 
     new, rows = args.new_tokens, []
-    if "static" in args.cache:
-        _allow_static_recompiles()
-    for cache in args.cache:
-        extra = {"cache_implementation": "static"} if cache == "static" else {}
-        for batch in args.batches:
-            ids = torch.randint(2, vocab, (batch, args.prompt), generator=gen).to(device)
-            row = {"cache": cache, "batch": batch, "new_tokens": new}
-            for mode, model in models.items():
-                def call(model=model):
-                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                          min_new_tokens=new, do_sample=False, **extra)
-
-                call()  # warm (a static cache compiles on its first call)
-                marked = mlps(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
-                got = profile_call(call, marked, sync, device.type == "cuda")
-                row[mode] = {k: (v / new if k.endswith("_ms") and v is not None else v) for k, v in got.items()}
-            rows.append(row)
-            e, p = row["eager"], row["patched"]
-            print(f"[bench_e2e] profile {cache:7s} batch {batch:3d}: ms/step eager {e['wall_ms']:.2f} "
-                  f"(GPU {e['gpu_ms'] or 0:.2f}, MLP GPU {e['mlp_gpu_ms'] or 0:.2f}), patched {p['wall_ms']:.2f} "
-                  f"(GPU {p['gpu_ms'] or 0:.2f}, MLP GPU {p['mlp_gpu_ms'] or 0:.2f})", flush=True)
+    for cache, batch, call in generate_cases(args, device, vocab, gen):
+        row = {"cache": cache, "batch": batch, "new_tokens": new}
+        for mode, model in models.items():
+            call(model)  # warm (a static cache compiles on its first call)
+            marked = mlps(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
+            got = profile_call(lambda model=model: call(model), marked, sync, device.type == "cuda")
+            row[mode] = {k: (v / new if k.endswith("_ms") and v is not None else v) for k, v in got.items()}
+        rows.append(row)
+        e, p = row["eager"], row["patched"]
+        print(f"[bench_e2e] profile {cache:7s} batch {batch:3d}: ms/step eager {e['wall_ms']:.2f} "
+              f"(GPU {e['gpu_ms'] or 0:.2f}, MLP GPU {e['mlp_gpu_ms'] or 0:.2f}), patched {p['wall_ms']:.2f} "
+              f"(GPU {p['gpu_ms'] or 0:.2f}, MLP GPU {p['mlp_gpu_ms'] or 0:.2f})", flush=True)
     return rows
 
 

@@ -38,7 +38,7 @@ import torch
 from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
-from .harness.cli import Parser, UsageError, guarded, read_json, write_json
+from .harness.cli import Parser, guarded, render_or_run
 from .harness.models import MODELS, TINY, build_model
 
 PROG = "python -m benchmarks.bench_tp"
@@ -288,23 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = parse_args(argv)
-    if args.render:
-        data = read_json(args.render)
-        if data.get("kind") != "bench_tp" or data.get("schema") != SCHEMA:
-            raise UsageError(f"{args.render}: not a bench_tp results JSON of schema {SCHEMA}")
-        out = args.out or args.render.parent
-    else:
-        out = args.out
-        data = run(args)
-        if not data:
-            return 0
-        print(f"[bench_tp] wrote {write_json(data, out / 'results.json')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(render_markdown(data))
-    print(f"[bench_tp] wrote {out / 'results.md'}")
-    return 0
-
+    return render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -47,7 +47,7 @@ import torch
 from swiglu_patch.inputs import nonnegative_int, positive_int
 from swiglu_patch.provenance import environment
 
-from .harness.cli import Parser, UsageError, guarded, read_json, require_cuda, write_json
+from .harness.cli import Parser, guarded, render_or_run, require_cuda
 from .harness.models import MODELS, TINY, build_model, mlps
 
 PROG = "python -m benchmarks.bench_train_step"
@@ -292,23 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = parse_args(argv)
-    if args.render:
-        data = read_json(args.render)
-        if data.get("kind") != "bench_train_step" or data.get("schema") != SCHEMA:
-            raise UsageError(f"{args.render}: not a bench_train_step results JSON of schema {SCHEMA}")
-        out = args.out or args.render.parent
-    else:
-        out = args.out
-        data = run(args)
-        if not data:  # ranks other than 0
-            return 0
-        print(f"[bench_train_step] wrote {write_json(data, out / 'results.json')}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.md").write_text(render_markdown(data))
-    print(f"[bench_train_step] wrote {out / 'results.md'}")
-    return 0
-
+    return render_or_run(parse_args(argv), "bench_train_step", SCHEMA, run, render_markdown)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -73,3 +73,29 @@ def write_json(data: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(sanitize(data), indent=1, allow_nan=False, default=str))
     return path
+
+
+def render_or_run(args, kind: str, schema: int, run: Callable, render_markdown: Callable[[dict], str]) -> int:
+    """The body of a benchmark's command line: with ``args.render``, rebuild results.md from a
+    results JSON of this `kind` and `schema`; else ``run(args)`` and write results.json and
+    results.md under ``args.out`` (a run returning {} is a rank other than 0 and writes nothing).
+
+    Raises:
+        UsageError: the JSON is missing, not JSON, or of another kind or schema.
+    """
+    if args.render:
+        data = read_json(args.render)
+        if data.get("kind") != kind or data.get("schema") != schema:
+            raise UsageError(f"{args.render}: not a {kind} results JSON of schema {schema} (found kind "
+                             f"{data.get('kind')!r}, schema {data.get('schema')!r})")
+        out = args.out or args.render.parent
+    else:
+        out = args.out
+        data = run(args)
+        if not data:
+            return 0
+        print(f"[{kind}] wrote {write_json(data, out / 'results.json')}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(render_markdown(data))
+    print(f"[{kind}] wrote {out / 'results.md'}")
+    return 0
