@@ -184,3 +184,29 @@ def test_accelerate_alignment_hook_moves_with_the_module():
     apply_fused_mlp(model)
     assert all(hasattr(layer.mlp, "_hf_hook") for layer in model.model.layers)
     assert (_logits(model, ids) - before).abs().max() <= 1e-5 * before.abs().max()
+
+
+def test_down_proj_hooks_still_run_when_set():
+    """The fused module runs a plain down_proj as F.linear (no module call) only while no hook would
+    see the difference: a forward hook on down_proj, or a global one, still runs, and the output is
+    the same either way."""
+    model = tiny_model("llama").eval()
+    apply_fused_mlp(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 3, model.config.hidden_size)
+    with torch.inference_mode():
+        plain = mlp(x)
+    seen = []
+    handle = mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append("down"))
+    with torch.inference_mode():
+        hooked = mlp(x)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        with torch.inference_mode():
+            globally = mlp(x)
+    finally:
+        handle.remove()
+    assert seen[0] == "down" and "Linear" in seen[1:]
+    assert torch.equal(plain, hooked) and torch.equal(plain, globally)
