@@ -251,21 +251,21 @@ def _short_liger_autotune() -> None:
 @contextlib.contextmanager
 def forced_tiles(bwd=None, fwd=None):
     """Run the op with these (kernel, config) pairs first in the dispatcher's rule tables."""
-    from swiglu_patch.kernels import dispatch
+    from swiglu_patch.kernels import dispatch, dispatch_training
     from swiglu_patch.kernels.rules import Rule
 
-    saved = dispatch.BACKWARD_RULES, dispatch.RULES
+    saved = dispatch_training.BACKWARD_RULES, dispatch.RULES
     if bwd:
-        dispatch.BACKWARD_RULES = (Rule(bwd[0], bwd[1], why="forced by bench_train"),) + saved[0]
+        dispatch_training.BACKWARD_RULES = (Rule(bwd[0], bwd[1], why="forced by bench_train"),) + saved[0]
     if fwd:
         dispatch.RULES = (Rule(fwd[0], fwd[1], why="forced by bench_train"),) + saved[1]
-    for cache in (dispatch._PLANS, dispatch._PREACT_PLANS, dispatch._BACKWARD_PLANS):
+    for cache in (dispatch._PLANS, dispatch_training._PREACT_PLANS, dispatch_training._BACKWARD_PLANS):
         cache.clear()
     try:
         yield
     finally:
-        dispatch.BACKWARD_RULES, dispatch.RULES = saved
-        for cache in (dispatch._PLANS, dispatch._PREACT_PLANS, dispatch._BACKWARD_PLANS):
+        dispatch_training.BACKWARD_RULES, dispatch.RULES = saved
+        for cache in (dispatch._PLANS, dispatch_training._PREACT_PLANS, dispatch_training._BACKWARD_PLANS):
             cache.clear()
 
 
@@ -346,22 +346,22 @@ def parts(row: Row, device, timer: Timer) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from swiglu_patch.kernels import dispatch
+    from swiglu_patch.kernels import dispatch, dispatch_training
 
     dtype = getattr(torch, row.dtype)
     m, k, i = row.m, row.k, row.i
     x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
     w = (torch.randn(2 * i, k, device=device) * k**-0.5).to(dtype)
     wd = (torch.randn(k, i, device=device) * i**-0.5).to(dtype)
-    h, preact = dispatch.gated_gemm_with_preact(x, w, row.act)
+    h, preact = dispatch_training.gated_gemm_with_preact(x, w, row.act)
     dpreact = torch.empty_like(preact)
     fns = {
         "fwd: gated GEMM, inference kernel (no P)": (lambda: dispatch.gated_gemm(x, w, row.act, out=h), 4),
-        "fwd: gated GEMM + P store": (lambda: dispatch.gated_gemm_with_preact(x, w, row.act, out=h,
+        "fwd: gated GEMM + P store": (lambda: dispatch_training.gated_gemm_with_preact(x, w, row.act, out=h,
                                                                                 preact_out=preact), 4),
         "fwd: cuBLAS x @ W^T (gate/up GEMM only)": (lambda: F.linear(x, w), 4),
         "fwd: cuBLAS down h @ Wd^T": (lambda: F.linear(h, wd), 2),
-        "bwd: fused dY @ Wd + derivative -> dP, h": (lambda: dispatch.gated_backward(
+        "bwd: fused dY @ Wd + derivative -> dP, h": (lambda: dispatch_training.gated_backward(
             dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h), 2),
         "bwd: cuBLAS dY @ Wd alone": (lambda: dy @ wd, 2),
         "bwd: cuBLAS dWd = dY^T @ h": (lambda: dy.t() @ h, 2),
@@ -380,23 +380,23 @@ def tiles(row: Row, device, timer: Timer, dry: bool) -> dict:
     """Time each alternative config of the two training kernels; check it against the rule's output."""
     import torch
 
-    from swiglu_patch.kernels import dispatch
+    from swiglu_patch.kernels import dispatch, dispatch_training
 
     dtype = getattr(torch, row.dtype)
     m, k, i = row.m, row.k, row.i
     x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
     w = (torch.randn(2 * i, k, device=device) * k**-0.5).to(dtype)
     wd = (torch.randn(k, i, device=device) * i**-0.5).to(dtype)
-    h_ref, p_ref = dispatch.gated_gemm_with_preact(x, w, row.act)
-    dp_ref, hb_ref = dispatch.gated_backward(dy, wd, p_ref, row.act)
+    h_ref, p_ref = dispatch_training.gated_gemm_with_preact(x, w, row.act)
+    dp_ref, hb_ref = dispatch_training.gated_backward(dy, wd, p_ref, row.act)
     bwd_configs, fwd_configs = _configs(dry)
     out = {"backward": {}, "forward_preact": {}}
     for group, configs, run, refs in (
             ("backward", bwd_configs,
-             lambda kern, cfg: dispatch.gated_backward(dy, wd, p_ref, row.act, config=cfg, kernel=kern),
+             lambda kern, cfg: dispatch_training.gated_backward(dy, wd, p_ref, row.act, config=cfg, kernel=kern),
              (dp_ref, hb_ref)),
             ("forward_preact", fwd_configs,
-             lambda kern, cfg: dispatch.gated_gemm_with_preact(x, w, row.act, config=cfg, kernel=kern),
+             lambda kern, cfg: dispatch_training.gated_gemm_with_preact(x, w, row.act, config=cfg, kernel=kern),
              (h_ref, p_ref))):
         for name, kern, cfg in configs:
             try:

@@ -19,6 +19,8 @@ P = x @ W^T + b ([M, 2*I], the gate/up columns interleaved as the packed weight'
   fp32 (`jit_common.gated_epilogue_grad`: scales, clamps and act' for silu, gelu_tanh, gelu).
   Rounding: once per stored value, to the dtype, on the stores of h and dP. dH never reaches
   memory.
+- HAS_DH_IN: a further gradient of h, dh_in [M, I] (any strides; LoRA on the down projection
+  sends one back through h), is added to the fp32 dH tile before the derivative.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from .layout import GATE_UP_BLOCK
 
 @triton.jit
 def _gated_backward_kernel(
-    dy_ptr, wd_ptr, p_ptr, dp_ptr, h_ptr,
+    dy_ptr, wd_ptr, p_ptr, dp_ptr, h_ptr, dh_ptr,
     M, I, K,
     stride_dym, stride_dyk,
     stride_wdk, stride_wdi,
     stride_pm, stride_pn,
     stride_dpm, stride_dpn,
     stride_hm, stride_hi,
+    stride_dhm, stride_dhi,
+    HAS_DH_IN: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -81,6 +85,9 @@ def _gated_backward_kernel(
 
     # -- epilogue: read P's gate and up columns, h and the derivatives in fp32, one rounding each --
     mask = mask_m[:, None] & mask_i[None, :]
+    if HAS_DH_IN:
+        dh_ptrs = dh_ptr + offs_m[:, None] * stride_dhm + offs_i[None, :] * stride_dhi
+        acc += tl.load(dh_ptrs, mask=mask, other=0.0).to(tl.float32)
     p_rows = p_ptr + offs_m[:, None] * stride_pm
     gate = tl.load(p_rows + gate_cols[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(p_rows + up_cols[None, :] * stride_pn, mask=mask, other=0.0).to(tl.float32)
@@ -93,32 +100,35 @@ def _gated_backward_kernel(
 
 
 def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-            h: torch.Tensor) -> bool:
+            h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
     """Every call the dispatcher makes: any device Triton runs on, any strides, any I."""
     return True
 
 
-def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
-    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I])` for
-    one (config, epilogue, dtype) writing dP (may be preact itself) and h; epilogue:
-    `GatedEpilogue.constexprs()` plus APPROX_TANH. Arguments are checked by the caller (`dispatch`)."""
+def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):
+    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
+    for one (config, epilogue, dtype, has_dh_in) writing dP (may be preact itself) and h; dh_in
+    [M, I] must be given with has_dh_in and is None without; epilogue: `GatedEpilogue.constexprs()`
+    plus APPROX_TANH. Arguments are checked by the caller (`dispatch_training`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     kernel = FastLaunch(_gated_backward_kernel, dict(
-        **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_DH_IN=has_dh_in, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         num_warps=config.num_warps, num_stages=config.num_stages,
     ))
     bm, bn = config.block_m, config.block_n
 
     def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-               h: torch.Tensor) -> None:
+               h: torch.Tensor, dh_in: torch.Tensor | None = None) -> None:
         m, k = dy.shape
         i = down_weight.shape[1]
-        kernel(ceil_div(m, bm) * ceil_div(i, bn), dy.device.index or 0,
-               dy, down_weight, preact, dpreact, h, m, i, k,
-               dy.stride(0), dy.stride(1), down_weight.stride(0), down_weight.stride(1),
-               preact.stride(0), preact.stride(1), dpreact.stride(0), dpreact.stride(1), h.stride(0), h.stride(1))
+        if has_dh_in and dh_in is None:
+            raise ValueError("gated_backward_pointer: a HAS_DH_IN launcher needs dh_in")
+        dh = dh_in if has_dh_in else h  # not read without HAS_DH_IN
+        kernel(ceil_div(m, bm) * ceil_div(i, bn), dy.get_device(),
+               dy, down_weight, preact, dpreact, h, dh, m, i, k,
+               *dy.stride(), *down_weight.stride(), *preact.stride(), *dpreact.stride(), *h.stride(), *dh.stride())
 
     return launch

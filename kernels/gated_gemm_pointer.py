@@ -18,6 +18,11 @@ then P = x @ W^T + b, in the packed columns' interleaved order ([M, 2*I], gate c
 too, before gate_scale or any clamp. With STORE_PREACT off the kernel is the inference kernel
 (the branch is on a constexpr; the P pointer and strides go unused).
 
+Low-rank segment (HAS_LOW_RANK, LoRA: `swiglu_patch.low_rank`): P also gets x_lr @ b_lr^T, with
+x_lr [M, R] and b_lr [2*I, R] in the packed row layout, added into the same two fp32
+accumulators by a second loop over R in BLOCK_SIZE_R steps after the K loop, before the bias:
+the GEMM over [x | x_lr] against [W | b_lr] without concatenating them. Any strides, any R >= 1.
+
 dtypes: x and the weight share one of bf16, fp16, fp32; out has x's dtype. fp32 dots use
 tf32 only where ``torch.backends.cuda.matmul.allow_tf32`` says so. The bias is read with
 unit stride (`dispatch` makes it contiguous).
@@ -37,14 +42,17 @@ from .layout import GATE_UP_BLOCK
 
 @triton.jit
 def _gated_gemm_fwd_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, p_ptr,
-    M, I, K,
+    x_ptr, w_ptr, b_ptr, out_ptr, p_ptr, xl_ptr, bl_ptr,
+    M, I, K, R,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_om, stride_oi,
     stride_pm, stride_pn,
+    stride_xlm, stride_xlr,
+    stride_bln, stride_blr,
     HAS_BIAS: tl.constexpr,
     STORE_PREACT: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -53,6 +61,7 @@ def _gated_gemm_fwd_kernel(
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
 ):
     # -- tile ordering: groups of GROUP_SIZE_M row-tiles share weight tiles in L2 --
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
@@ -87,6 +96,23 @@ def _gated_gemm_fwd_kernel(
         wg_ptrs += BLOCK_SIZE_K * stride_wk
         wu_ptrs += BLOCK_SIZE_K * stride_wk
 
+    # -- low-rank segment: the same accumulators over x_lr [M, R] and b_lr [2*I, R] --
+    if HAS_LOW_RANK:
+        offs_r = tl.arange(0, BLOCK_SIZE_R)
+        xl_ptrs = xl_ptr + offs_m[:, None] * stride_xlm + offs_r[None, :] * stride_xlr  # [BLOCK_SIZE_M, BLOCK_SIZE_R]
+        blg_ptrs = bl_ptr + gate_rows[None, :] * stride_bln + offs_r[:, None] * stride_blr  # [BLOCK_SIZE_R, BLOCK_SIZE_N]
+        blu_ptrs = bl_ptr + up_rows[None, :] * stride_bln + offs_r[:, None] * stride_blr
+        for r in range(0, tl.cdiv(R, BLOCK_SIZE_R)):
+            r_left = R - r * BLOCK_SIZE_R
+            xl = tl.load(xl_ptrs, mask=mask_m[:, None] & (offs_r[None, :] < r_left), other=0.0)
+            blg = tl.load(blg_ptrs, mask=mask_i[None, :] & (offs_r[:, None] < r_left), other=0.0)
+            blu = tl.load(blu_ptrs, mask=mask_i[None, :] & (offs_r[:, None] < r_left), other=0.0)
+            acc_gate = tl.dot(xl, blg, acc_gate, input_precision=INPUT_PRECISION)
+            acc_up = tl.dot(xl, blu, acc_up, input_precision=INPUT_PRECISION)
+            xl_ptrs += BLOCK_SIZE_R * stride_xlr
+            blg_ptrs += BLOCK_SIZE_R * stride_blr
+            blu_ptrs += BLOCK_SIZE_R * stride_blr
+
     # -- epilogue: bias, the gated math in fp32, one rounding, one store --
     if HAS_BIAS:
         acc_gate += tl.load(b_ptr + gate_rows, mask=mask_i, other=0.0).to(tl.float32)[None, :]
@@ -106,32 +132,44 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: to
     return True
 
 
+BLOCK_SIZE_R = 16  # the low-rank segment's step: tl.dot's least K
+
+
 def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
-                  store_preact: bool = False):
-    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I], preact) -> out`
-    for one (config, epilogue, bias, dtype, store_preact); epilogue: `GatedEpilogue.constexprs()` plus
-    APPROX_TANH. With store_preact it also writes preact [M, 2*I] (x's dtype, any strides), which
-    must be given; without, preact is None. Arguments are checked by the caller (`dispatch`)."""
+                  store_preact: bool = False, low_rank: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I], preact,
+    x_lr, b_lr) -> out` for one (config, epilogue, bias, dtype, store_preact, low_rank); epilogue:
+    `GatedEpilogue.constexprs()` plus APPROX_TANH. With store_preact it also writes preact [M, 2*I]
+    (x's dtype, any strides), which must be given; without, preact is None. With low_rank, x_lr
+    [M, R] and b_lr [2*I, R] (x's dtype, any strides) must be given; without, they are None.
+    Arguments are checked by the caller (`dispatch`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
-        HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        BLOCK_SIZE_R=BLOCK_SIZE_R, num_warps=config.num_warps, num_stages=config.num_stages,
     ))
     bm, bn = config.block_m, config.block_n
 
     def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               preact: torch.Tensor | None = None) -> torch.Tensor:
+               preact: torch.Tensor | None = None, x_lr: torch.Tensor | None = None,
+               b_lr: torch.Tensor | None = None) -> torch.Tensor:
         m, k = x.shape
         i = weight.shape[0] >> 1
         p = out if preact is None else preact  # not read unless STORE_PREACT
         if store_preact and preact is None:
             raise ValueError("gated_gemm_pointer: a STORE_PREACT launcher needs preact")
+        if low_rank:
+            if x_lr is None or b_lr is None:
+                raise ValueError("gated_gemm_pointer: a low-rank launcher needs x_lr and b_lr")
+            r, xl, bl = x_lr.shape[1], x_lr, b_lr
+        else:  # not read: HAS_LOW_RANK is off
+            r, xl, bl = 0, x, weight
         kernel(ceil_div(m, bm) * ceil_div(i, bn), x.get_device(),
-               x, weight, weight if bias is None else bias, out, p, m, i, k,
-               *x.stride(), *weight.stride(), *out.stride(), *p.stride())
+               x, weight, weight if bias is None else bias, out, p, xl, bl, m, i, k, r,
+               *x.stride(), *weight.stride(), *out.stride(), *p.stride(), *xl.stride(), *bl.stride())
         return out
 
     return launch

@@ -157,7 +157,7 @@ DEFAULT_CONFIGS: dict[str, C] = {
 
 
 # -- training: the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue ----
-# Its own table, read by `dispatch.gated_backward` the same way (first match whose kernel can
+# Its own table, read by `dispatch_training.gated_backward` the same way (first match whose kernel can
 # run the tensors; the last rule matches every call). Kernels: `gated_backward_pointer.py`,
 # `gated_backward_tma.py`. The forward of training (the gated GEMM that also stores the
 # pre-activation) takes `RULES`, skipping kernels without a STORE_PREACT path.

@@ -19,6 +19,18 @@ BACKENDS = ("auto", "triton", "torch")
 _CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
 
 _dispatch_module = None
+_training_dispatch_module = None
+
+
+def _import_kernels(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(f"{__package__}.kernels.{name}")
+    except ImportError as e:  # triton missing (not Linux) or broken
+        raise ImportError(
+            f"swiglu_patch: backend='triton' needs Triton ({e}); `pip install triton` on Linux, or use backend='torch'"
+        ) from e
 
 
 def dispatcher():
@@ -26,15 +38,17 @@ def dispatcher():
     the torch backend needs no Triton."""
     global _dispatch_module
     if _dispatch_module is None:
-        try:
-            from .kernels import dispatch
-        except ImportError as e:  # triton missing (not Linux) or broken
-            raise ImportError(
-                f"swiglu_patch: backend='triton' needs Triton ({e}); `pip install triton` on Linux, "
-                "or use backend='torch'"
-            ) from e
-        _dispatch_module = dispatch
+        _dispatch_module = _import_kernels("dispatch")
     return _dispatch_module
+
+
+def training_dispatcher():
+    """Training's entry points to the kernels (`swiglu_patch.kernels.dispatch_training`:
+    the forward that stores P, the backward GEMM, the low-rank segment), imported on first use."""
+    global _training_dispatch_module
+    if _training_dispatch_module is None:
+        _training_dispatch_module = _import_kernels("dispatch_training")
+    return _training_dispatch_module
 
 
 @torch.library.custom_op("swiglu_patch::gated_gemm", mutates_args=())

@@ -21,8 +21,12 @@ Adapters stack along K: with a gate adapter of rank r_g and an up adapter of ran
 `gated_linear_low_rank_reference` is that formula on the concatenated operands (the spec);
 `gated_linear_low_rank` computes the same without copying W: P = x @ W^T + x_lr @ b_lr^T + bias
 with the torch backend (differentiable: A and B get their gradients through x_lr and b_lr), and
-the gated kernel on the concatenated operands with the Triton backend (forward only until the
-kernels take the second segment; see docs/training_stack.md for what they need).
+the pointer kernel's low-rank segment with the Triton backend (the registered op
+``swiglu_patch::gated_gemm_low_rank``; inference: training runs the whole MLP through
+`swiglu_patch.training.gated_mlp_interleaved`, whose op takes x_lr and b_lr the same way).
+
+Adapters on the down projection (`down_adapters`, `down_update`) are PEFT's own LoRA layer run
+on h: the fused module gets h from the gated op and adds their update as PEFT's forward does.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .functional import gated_linear_interleaved
-from .kernels.epilogue import GatedEpilogue
+from torch import nn
+
+from .functional import resolve_backend, training_dispatcher
+from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
 from .kernels.layout import interleave_gate_up, split_interleaved
 from .kernels.reference import gated_linear_reference
 
@@ -96,6 +102,21 @@ def gated_linear_low_rank_reference(
     return gated_linear_reference(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue)
 
 
+@torch.library.custom_op("swiglu_patch::gated_gemm_low_rank", mutates_args=())
+def _low_rank_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_lr: torch.Tensor,
+                 b_lr: torch.Tensor, activation: str, gate_scale: float, out_scale: float, clamp: int,
+                 limit: float) -> torch.Tensor:
+    """[M, I] from x [M, K], weight [2*I, K], x_lr [M, r], b_lr [2*I, r]: the kernel's low-rank segment."""
+    clamp_name = {code: name for name, code in CLAMP_CODES.items()}[clamp]
+    epilogue = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, clamp_name or "gate")
+    return training_dispatcher().gated_gemm_low_rank(x, weight, x_lr, b_lr, epilogue, bias)[0]
+
+
+@_low_rank_op.register_fake
+def _(x, weight, bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
 def gated_linear_low_rank(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -114,8 +135,8 @@ def gated_linear_low_rank(
         x_lr: [..., r] low-rank input (s * dropout(x) @ A^T per adapter, concatenated), x's dtype.
         b_lr: [2*I, r] low-rank weight in the packed row layout (`pack_low_rank_b`, concatenated).
         epilogue: the gated epilogue.
-        backend: "torch" (two GEMMs summed in fp32, differentiable), "triton" (the gated
-            kernel on the concatenated operands; no gradient yet) or "auto" (Triton on CUDA).
+        backend: "torch" (two GEMMs summed in fp32, differentiable), "triton" (the pointer
+            kernel's low-rank segment; inference only) or "auto" (Triton on CUDA).
 
     Returns:
         [..., I] in x's dtype.
@@ -125,11 +146,19 @@ def gated_linear_low_rank(
         NotImplementedError: the Triton backend asked for a gradient.
     """
     _check(x, weight, x_lr, b_lr)
-    if backend == "auto":
-        backend = "triton" if x.is_cuda else "torch"
+    backend = resolve_backend(backend, x.device)
     if backend != "torch":
-        return gated_linear_interleaved(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue,
-                                        backend)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, x_lr, b_lr)):
+            raise NotImplementedError(
+                "gated_linear_low_rank: the Triton path is for inference and an input requires grad; train through "
+                "the whole MLP (swiglu_patch.training.gated_mlp_interleaved with x_lr and b_lr, what a patched "
+                "model's FusedGatedMLP does), run under torch.no_grad(), or use backend='torch'"
+            )
+        x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
+        out = _low_rank_op(x2d, weight, bias, xlr2d, b_lr, epilogue.activation, epilogue.gate_scale,
+                           epilogue.out_scale, CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp],
+                           epilogue.limit or 0.0)
+        return out.view(*x.shape[:-1], out.shape[-1])
     acc = torch.promote_types(x.dtype, torch.float32)
     x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
     preact = F.linear(x2d, weight, bias).to(acc) + F.linear(xlr2d, b_lr).to(acc)
@@ -167,3 +196,42 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
     if len(pairs) == 1:
         return pairs[0]
     return torch.cat([p[0] for p in pairs], -1), torch.cat([p[1] for p in pairs], -1)
+
+
+_PEFT_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
+
+
+def down_adapters(down: nn.Module) -> tuple[nn.Module, tuple[str, ...]] | None:
+    """(base layer, adapter names to add) when `down` is PEFT's plain LoRA Linear, whose forward is
+    ``base_layer(h) + sum_a lora_B[a](lora_A[a](dropout[a](h))) * scaling[a]`` over the names; None
+    for anything else (a LoRA variant such as DoRA, hooks on the layer, another wrapper), which
+    the caller runs as a module.
+
+    A merged layer adds nothing (its update is in the base weight), as PEFT's forward does; a
+    disabled one that is still merged returns None (PEFT's forward unmerges it first).
+    """
+    kind = type(down)
+    if (kind.__module__, kind.__name__) != _PEFT_LORA_LINEAR:
+        return None
+    if down._forward_hooks or down._forward_pre_hooks or "forward" in down.__dict__:
+        return None
+    base = down.base_layer
+    if down.disable_adapters:
+        return None if down.merged else (base, ())
+    if down.merged:
+        return base, ()
+    names = tuple(a for a in down.active_adapters if a in down.lora_A.keys())
+    if any(a in down.lora_variant for a in names):
+        return None
+    return base, names
+
+
+def down_update(down: nn.Module, names: tuple[str, ...], h: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """`result` (the base layer's output on h) plus the update of each named adapter of PEFT's
+    LoRA Linear `down`, computed and cast back to result's dtype as its forward does."""
+    dtype = result.dtype
+    for name in names:
+        lora_a, lora_b = down.lora_A[name], down.lora_B[name]
+        h = down._cast_input_dtype(h, lora_a.weight.dtype)
+        result = result + lora_b(lora_a(down.lora_dropout[name](h))) * down.scaling[name]
+    return result.to(dtype)

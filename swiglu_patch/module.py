@@ -28,7 +28,7 @@ from torch.nn.modules import module as _torch_module
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
-from .low_rank import gated_linear_low_rank, low_rank_operands
+from .low_rank import down_adapters, down_update, gated_linear_low_rank, low_rank_operands
 from .optimizer import mark_packed
 from .training import gated_mlp_interleaved
 from .registry import MLPFamily
@@ -76,27 +76,36 @@ class FusedGatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         modules, params = self._modules, self._parameters  # direct reads: nn.Module.__getattr__ costs host time
+        weight, bias = params["gate_up_interleaved"], params.get("gate_up_interleaved_bias")
+        down = modules[self.family.down]
+        x_lr = b_lr = None
         wrapped = [m for name in self._packed_names if type(m := modules[name]) is not PackedProjection]
         if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
             x_lr, b_lr = low_rank_operands(wrapped, x)
-            if x_lr is not None:
-                h = gated_linear_low_rank(x, params["gate_up_interleaved"], params.get("gate_up_interleaved_bias"),
-                                          x_lr, b_lr, self.epilogue, self.backend)
-                return self.down(h)
-        weight, bias = params["gate_up_interleaved"], params.get("gate_up_interleaved_bias")
-        down = modules[self.family.down]
-        plain_down = _plain_linear(down)
-        if torch.is_grad_enabled() and plain_down and (
-            x.requires_grad or weight.requires_grad or down.weight.requires_grad
-            or any(b is not None and b.requires_grad for b in (bias, down.bias))
-        ):  # training: the whole MLP as one op with its backward (`swiglu_patch.training`)
-            tensors = (x, weight, bias, down.weight, down.bias)
-            if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
-                dtype = torch.get_autocast_dtype(x.device.type)
-                tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
-            return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend)
-        h = gated_linear_interleaved(x, weight, bias, self.epilogue, self.backend)
-        if plain_down and not (_GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1]):  # nn.Linear.forward, without __call__
+        no_global_hooks = not (_GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1])
+        plain_down = no_global_hooks and _plain_linear(down)
+        lora_down = None
+        if not plain_down and no_global_hooks and (found := down_adapters(down)) is not None and _plain_linear(found[0]):
+            lora_down = found  # PEFT LoRA on down_proj: its base runs in the op, its update from h
+        if torch.is_grad_enabled() and (plain_down or lora_down is not None):
+            base = down if lora_down is None else lora_down[0]
+            tensors = (x, weight, bias, base.weight, base.bias, x_lr, b_lr)
+            if lora_down is not None or any(t is not None and t.requires_grad for t in tensors):
+                # training: the whole MLP as one op with its backward (`swiglu_patch.training`)
+                if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
+                    dtype = torch.get_autocast_dtype(x.device.type)
+                    tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
+                *tensors, x_lr, b_lr = tensors
+                if lora_down is None:
+                    return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr)
+                y, h = gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr,
+                                             return_h=True)
+                return down_update(down, lora_down[1], h, y)
+        if x_lr is not None:
+            h = gated_linear_low_rank(x, weight, bias, x_lr, b_lr, self.epilogue, self.backend)
+        else:
+            h = gated_linear_interleaved(x, weight, bias, self.epilogue, self.backend)
+        if plain_down:  # nn.Linear.forward, without __call__
             down_params = down._parameters
             return F.linear(h, down_params["weight"], down_params["bias"])
         return down(h)

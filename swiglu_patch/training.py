@@ -13,6 +13,14 @@ weight [K, I] and bd its [K] bias. Gradients, given dY [M, K]:
     dW  = dP^T @ x        db  = sum_m dP      (dW stays packed: the packed parameter's gradient)
     dx  = dP @ W
 
+LoRA rides in the same GEMMs. Adapters on gate and up enter as a low-rank segment of the
+forward GEMM: P = x @ W^T + x_lr @ b_lr^T + b, with x_lr [M, r] and b_lr [2*I, r]
+(`swiglu_patch.low_rank`); their gradients are dx_lr = dP @ b_lr and db_lr = dP^T @ x_lr, and
+autograd carries them to A, B and x through the torch ops that built x_lr and b_lr. Adapters on
+down_proj need h: with ``return_h`` the op also returns h, the caller adds the adapters' update
+computed from it, and the gradient reaching h (dh_lora) is added to dH inside the backward
+GEMM's epilogue (its HAS_DH_IN input) before the derivative.
+
 Two modes:
 - "store" (the default): the forward's gated GEMM also writes P (x's dtype); P is the one
   tensor saved beyond x and the weights (2*M*I elements); h is not saved.
@@ -39,7 +47,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .functional import dispatcher as _dispatch
+from .functional import dispatcher, training_dispatcher
 from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
 from .kernels.layout import PackedGateUp, interleave_gate_up, split_interleaved
 
@@ -124,59 +132,72 @@ def _epilogue_args(epilogue: GatedEpilogue) -> tuple:
 
 @torch.library.custom_op("swiglu_patch::gated_mlp", mutates_args=())
 def _gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                  down_weight: torch.Tensor, down_bias: torch.Tensor | None, activation: str, gate_scale: float,
-                  out_scale: float, clamp: int, limit: float, store_preact: bool,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [M, K], P [M, 2*I], or a 0-element tensor unless store_preact) for 2-D x [M, K]."""
+                  down_weight: torch.Tensor, down_bias: torch.Tensor | None, x_lr: torch.Tensor | None,
+                  b_lr: torch.Tensor | None, activation: str, gate_scale: float, out_scale: float, clamp: int,
+                  limit: float, store_preact: bool, return_h: bool,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, K], P [M, 2*I], h [M, I]) for 2-D x [M, K]; P and h are 0-element tensors unless
+    store_preact and return_h ask for them. x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
     epilogue = _epilogue_of(activation, gate_scale, out_scale, clamp, limit)
     if backend == "triton":
-        if store_preact:
-            h, preact = _dispatch().gated_gemm_with_preact(x, gate_up_weight, epilogue, gate_up_bias)
+        if x_lr is not None:
+            h, preact = training_dispatcher().gated_gemm_low_rank(x, gate_up_weight, x_lr, b_lr, epilogue, gate_up_bias,
+                                                        store_preact)
+        elif store_preact:
+            h, preact = training_dispatcher().gated_gemm_with_preact(x, gate_up_weight, epilogue, gate_up_bias)
         else:
-            h, preact = _dispatch().gated_gemm(x, gate_up_weight, epilogue, gate_up_bias), x.new_empty(0)
+            h, preact = dispatcher().gated_gemm(x, gate_up_weight, epilogue, gate_up_bias), None
     else:
-        p = F.linear(x, gate_up_weight, gate_up_bias)
-        gate, up = split_interleaved(p, -1)
         acc = _acc_dtype(x.dtype)
-        h = epilogue.apply(gate.to(acc), up.to(acc)).to(x.dtype)
-        preact = p if store_preact else x.new_empty(0)
-    return F.linear(h, down_weight, down_bias), preact
+        p = F.linear(x, gate_up_weight, gate_up_bias)
+        p_acc = p.to(acc) if x_lr is None else p.to(acc) + F.linear(x_lr, b_lr).to(acc)
+        gate, up = split_interleaved(p_acc, -1)
+        h = epilogue.apply(gate, up).to(x.dtype)
+        preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
+    y = F.linear(h, down_weight, down_bias)
+    return y, x.new_empty(0) if preact is None else preact, h if return_h else x.new_empty(0)
 
 
 @_gated_mlp_op.register_fake
-def _(x, gate_up_weight, gate_up_bias, down_weight, down_bias, activation, gate_scale, out_scale, clamp, limit,
-      store_preact, backend):
+def _(x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp,
+      limit, store_preact, return_h, backend):
     preact = x.new_empty((x.shape[0], gate_up_weight.shape[0])) if store_preact else x.new_empty(0)
-    return x.new_empty((x.shape[0], down_weight.shape[0])), preact
+    h = x.new_empty((x.shape[0], down_weight.shape[1])) if return_h else x.new_empty(0)
+    return x.new_empty((x.shape[0], down_weight.shape[0])), preact, h
 
 
 @torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", mutates_args=("preact",))
-def _dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, activation: str,
-                gate_scale: float, out_scale: float, clamp: int, limit: float, backend: str) -> torch.Tensor:
-    """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K] and Wd [K, I]."""
+def _dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
+                activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
+                backend: str) -> torch.Tensor:
+    """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
+    an optional further gradient of h, dh_in [M, I] (added to dY @ Wd)."""
     epilogue = _epilogue_of(activation, gate_scale, out_scale, clamp, limit)
     if backend == "triton":
-        _, h = _dispatch().gated_backward(dy, down_weight, preact, epilogue, dpreact_out=preact)
+        _, h = training_dispatcher().gated_backward(dy, down_weight, preact, epilogue, dpreact_out=preact, dh_in=dh_in)
         return h
     acc = _acc_dtype(dy.dtype)
     gate, up = split_interleaved(preact.to(acc), -1)
-    h, dgate, dup = gated_epilogue_grad_reference(gate, up, dy.to(acc) @ down_weight.to(acc), epilogue)
+    dh = dy.to(acc) @ down_weight.to(acc)
+    if dh_in is not None:
+        dh = dh + dh_in.to(acc)
+    h, dgate, dup = gated_epilogue_grad_reference(gate, up, dh, epilogue)
     preact.copy_(interleave_gate_up(dgate.t(), dup.t()).t())
     return h.to(dy.dtype)
 
 
 @_dpreact_op.register_fake
-def _(dy, down_weight, preact, activation, gate_scale, out_scale, clamp, limit, backend):
+def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
     return dy.new_empty((dy.shape[0], down_weight.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate_up_weight, gate_up_bias, down_weight, down_bias, *epilogue, store_preact, backend = inputs
-    _, preact = output
+    x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, *epilogue, store_preact, _, backend = inputs
+    _, preact, _ = output
     ctx.mark_non_differentiable(preact)
     ctx.set_materialize_grads(False)  # no [M, 2*I] of zeros for P's (absent) gradient
     ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
-                          preact if store_preact else None)
+                          preact if store_preact else None, x_lr, b_lr)
     ctx.epilogue_args, ctx.store_preact, ctx.backend = tuple(epilogue), store_preact, backend
 
 
@@ -185,20 +206,24 @@ def _sum_rows(t: torch.Tensor) -> torch.Tensor:
     return t.sum(0, dtype=_acc_dtype(t.dtype)).to(t.dtype)
 
 
-def _backward(ctx, dy, _dpreact):
-    need_x, need_w, need_b, need_wd, need_bd = ctx.needs_input_grad[:5]
-    none = (None,) * 7
-    if dy is None:
-        return (None,) * 5 + none
-    x, gate_up_weight, gate_up_bias, down_weight, preact = ctx.saved_tensors
-    dy = dy.contiguous()
-    dx = dw = db = dwd = dbd = None
+def _backward(ctx, dy, _dpreact, dh_in):
+    need_x, need_w, need_b, need_wd, need_bd, need_xlr, need_blr = ctx.needs_input_grad[:7]
+    none = (None,) * 8
+    if dh_in is not None and dh_in.numel() == 0:  # h was not returned (a traced backward materializes its 0 elements)
+        dh_in = None
+    if dy is None and dh_in is None:
+        return (None,) * 7 + none
+    x, gate_up_weight, gate_up_bias, down_weight, preact, x_lr, b_lr = ctx.saved_tensors
+    dy = x.new_zeros((x.shape[0], down_weight.shape[0])) if dy is None else dy.contiguous()
+    dx = dw = db = dwd = dbd = dxlr = dblr = None
     if need_bd:
         dbd = _sum_rows(dy)
-    if need_x or need_w or need_b or need_wd:
-        if not ctx.store_preact:  # recompute: one GEMM
+    if need_x or need_w or need_b or need_wd or need_xlr or need_blr:
+        if not ctx.store_preact:  # recompute: one GEMM (and the low-rank segment's)
             preact = F.linear(x, gate_up_weight, gate_up_bias)
-        h = _dpreact_op(dy, down_weight, preact, *ctx.epilogue_args, ctx.backend)
+            if x_lr is not None:
+                preact = torch.addmm(preact, x_lr, b_lr.t())
+        h = _dpreact_op(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
         dpreact = preact  # dP now, written over P
         if need_wd:
             dwd = dy.t() @ h
@@ -209,7 +234,11 @@ def _backward(ctx, dy, _dpreact):
             dw = dpreact.t() @ x
         if need_b:
             db = _sum_rows(dpreact)
-    return (dx, dw, db, dwd, dbd) + none
+        if need_xlr:
+            dxlr = dpreact @ b_lr
+        if need_blr:
+            dblr = dpreact.t() @ x_lr
+    return (dx, dw, db, dwd, dbd, dxlr, dblr) + none
 
 
 _gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -230,7 +259,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
         raise ValueError(f"gated_mlp: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if x.is_cuda else "torch"
-    if backend == "triton" and not x.is_cuda and not _dispatch().interpreting():
+    if backend == "triton" and not x.is_cuda and not dispatcher().interpreting():
         raise RuntimeError(f"gated_mlp: backend='triton' on {x.device.type} tensors needs Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use "
                            "backend='torch'")
@@ -259,6 +288,16 @@ def _check(x, weight, bias, down_weight, down_bias) -> None:
                             f"{t.dtype} on {t.device}; cast one with .to()")
 
 
+def _check_low_rank(x, weight, x_lr, b_lr) -> None:
+    if x_lr.shape[:-1] != x.shape[:-1] or b_lr.dim() != 2 or tuple(b_lr.shape) != (weight.shape[0], x_lr.shape[-1]):
+        raise ValueError(f"gated_mlp: x_lr must be [..., r] with x's leading dims {tuple(x.shape[:-1])} and b_lr "
+                         f"[2*I, r] = [{weight.shape[0]}, r]; got x_lr {tuple(x_lr.shape)}, b_lr {tuple(b_lr.shape)}")
+    for name, t in (("x_lr", x_lr), ("b_lr", b_lr)):
+        if t.dtype != x.dtype or t.device != x.device:
+            raise TypeError(f"gated_mlp: {name} must match x's dtype and device ({x.dtype} on {x.device}), got "
+                            f"{t.dtype} on {t.device}; cast it with .to()")
+
+
 def gated_mlp_interleaved(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -268,18 +307,40 @@ def gated_mlp_interleaved(
     epilogue: GatedEpilogue,
     mode: str = "store",
     backend: str = "auto",
-) -> torch.Tensor:
+    x_lr: torch.Tensor | None = None,
+    b_lr: torch.Tensor | None = None,
+    return_h: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`gated_mlp` on tensors the caller states are in the interleaved layout (a fused module's
-    parameters). Arguments as `gated_mlp`'s, with the packed weight and bias unwrapped."""
+    parameters). Arguments as `gated_mlp`'s, with the packed weight and bias unwrapped, and:
+
+    Args:
+        x_lr: [..., r] low-rank input with x's leading dims (LoRA on gate/up:
+            `low_rank.low_rank_operands`), or None; b_lr: [2*I, r] in the packed row layout.
+        return_h: also return h = epilogue(P) [..., I] (differentiable: a gradient reaching it
+            joins dY @ Wd inside the backward GEMM), for adapters on the down projection.
+
+    Returns:
+        y [..., K], or (y, h) with return_h.
+    """
     if mode not in MODES:
         raise ValueError(f"gated_mlp: mode must be one of {MODES}, got {mode!r}")
     _check(x, weight, bias, down_weight, down_bias)
+    if (x_lr is None) != (b_lr is None):
+        raise ValueError("gated_mlp: x_lr and b_lr come together (the low-rank input and weight); got one of them")
+    if x_lr is not None:
+        _check_low_rank(x, weight, x_lr, b_lr)
     backend = resolve_backend(backend, x)
-    tensors = (x, weight, bias, down_weight, down_bias)
+    tensors = (x, weight, bias, down_weight, down_bias, x_lr, b_lr)
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y, _ = _gated_mlp_op(x2d, weight, bias, down_weight, down_bias, *_epilogue_args(epilogue), store, backend)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+    xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
+    y, _, h = _gated_mlp_op(x2d, weight, bias, down_weight, down_bias, xlr2d, b_lr, *_epilogue_args(epilogue), store,
+                            return_h, backend)
+    if x.dim() != 2:
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        h = h.view(*x.shape[:-1], h.shape[-1]) if return_h else h
+    return (y, h) if return_h else y
 
 
 def gated_mlp(

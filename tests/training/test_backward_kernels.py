@@ -15,7 +15,8 @@ from helpers import CUDA, DEVICE, EPS, KERNEL_DTYPES, check, epilogue64, make_ca
 
 from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.configs import m_bucket
-from swiglu_patch.kernels.dispatch import explain_backward, gated_backward, gated_gemm, gated_gemm_with_preact
+from swiglu_patch.kernels.dispatch import gated_gemm
+from swiglu_patch.kernels.dispatch_training import explain_backward, gated_backward, gated_gemm_with_preact
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.layout import split_interleaved
 from swiglu_patch.kernels.rules import BACKWARD_KERNELS, BACKWARD_RULES

@@ -25,12 +25,16 @@ def _leaves(m=9, k=32, i=24, dtype=None, bias=True, requires_grad=True):
 
 @pytest.mark.parametrize("backend", ["torch", BACKEND])
 @pytest.mark.parametrize("store", [True, False])
-def test_opcheck_gated_mlp(backend, store):
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_opcheck_gated_mlp(backend, store, low_rank):
     """Schema, fake tensor and autograd registration; AOT dispatch (what torch.compile traces)
     where P is not an output the caller keeps: store mode's backward writes dP over the P it
     returned, which a caller holding P would see (the functional never hands P out; its
-    compile is tested below)."""
-    args = (*_leaves(dtype=torch.float32), "silu", 1.0, 1.0, 0, 0.0, store, backend)
+    compile is tested below). low_rank: a LoRA segment (x_lr, b_lr) and h returned too."""
+    x, w, b, wd, bd = _leaves(dtype=torch.float32)
+    x_lr = torch.randn(x.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
+    b_lr = torch.randn(w.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
+    args = (x, w, b, wd, bd, x_lr, b_lr, "silu", 1.0, 1.0, 0, 0.0, store, low_rank, backend)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if not store:
         utils += ("test_aot_dispatch_dynamic",)
@@ -41,10 +45,11 @@ def test_opcheck_gated_mlp(backend, store):
 @pytest.mark.parametrize("backend", ["torch", BACKEND])
 def test_opcheck_dpreact(backend):
     m, k, i = 9, 32, 24
-    args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE), torch.randn(m, 2 * i, device=DEVICE),
-            "gelu_tanh", 1.0, 1.0, 0, 0.0, backend)
-    result = torch.library.opcheck(_dpreact_op, args)
-    assert set(result.values()) == {"SUCCESS"}, result
+    for dh_in in (None, torch.randn(m, i, device=DEVICE)):
+        args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE),
+                torch.randn(m, 2 * i, device=DEVICE), dh_in, "gelu_tanh", 1.0, 1.0, 0, 0.0, backend)
+        result = torch.library.opcheck(_dpreact_op, args)
+        assert set(result.values()) == {"SUCCESS"}, result
 
 
 def _saved_by_forward(mode, requires_grad=True, no_grad=False, bias=True):

@@ -52,7 +52,7 @@ def test_full_fine_tuning_gradients(reentrant, backend):
         assert rel_err(checkpointed[key + "down_proj.weight"], ref[key + "down_proj.weight"]) < 1e-5
 
 
-@pytest.mark.parametrize("backend", train_backends(lora=True))
+@pytest.mark.parametrize("backend", train_backends())
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_lora_gradients(reentrant, backend):
     ids = token_batches(1, 2, 12, 128)[0]

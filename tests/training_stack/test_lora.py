@@ -60,7 +60,7 @@ def lora_params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" in k}
 
 
-@pytest.mark.parametrize("backend", train_backends(lora=True))
+@pytest.mark.parametrize("backend", train_backends())
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_training_matches_plain_peft(family, order, backend):
@@ -88,6 +88,32 @@ def test_training_matches_plain_peft(family, order, backend):
         assert not torch.equal(trained[k], init[k]), f"{k} did not train: no gradient reached it"
         assert rel_err(trained[k], ref_trained[k]) < 1e-5, f"{k}: {rel_err(trained[k], ref_trained[k]):.3g}"
     assert torch.equal(fused.gate_up_interleaved, packed_before), "the frozen packed weight changed"
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_lora_trains_through_the_fused_op(family, monkeypatch):
+    """With the Triton backend, adapters on gate/up and on down_proj train inside the fused op:
+    the forward runs the low-rank segment storing P, and the backward GEMM takes down_proj's
+    adapter gradient as dh_in; no fallback path runs."""
+    from swiglu_patch.kernels import dispatch_training
+
+    calls = []
+    for name in ("gated_gemm_low_rank", "gated_backward"):
+        real = getattr(dispatch_training, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs.get("dh_in") is not None, args[6] if _name == "gated_gemm_low_rank" else None))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(dispatch_training, name, spy)
+    _, _, ours = peft_pair(family, "patch_then_peft", "triton")
+    ours.train()
+    ids = token_batches(1, 2, 8, 128)[0]
+    ours(input_ids=ids, labels=ids).loss.backward()
+    layers = len(ours.base_model.model.model.layers)
+    assert calls.count(("gated_gemm_low_rank", False, True)) == layers, calls
+    assert calls.count(("gated_backward", True, None)) == layers, calls
+    assert len(calls) == 2 * layers, calls
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -1,42 +1,26 @@
 """Shared pieces of the training-stack tests: the backends to train through, data, a train loop.
 
-`train_backends()` lists "torch" (the differentiable PyTorch reference) and "triton". Triton
-trains once `swiglu_patch.training` (the registered op with its backward) exists; until then
-its cases are strict xfails that expect the NotImplementedError the Triton path raises today,
-so they fail loudly (XPASS) as soon as it starts training. On CPU the Triton kernels run
-under TRITON_INTERPRET=1, in fp32.
+`train_backends()` lists "torch" (the differentiable PyTorch reference) and "triton" (the
+registered op with its backward, `swiglu_patch.training`; LoRA adapters ride in its GEMMs). On
+CPU the Triton kernels run under TRITON_INTERPRET=1, in fp32.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-TRITON_TRAINS = importlib.util.find_spec("swiglu_patch.training") is not None
-_NO_BACKWARD = "the Triton backend has no backward on this branch (swiglu_patch.training is missing)"
-_NO_LORA_OP = "LoRA through the Triton kernel needs the two-segment op (docs/training_stack.md)"
-
-
-def train_backends(lora: bool = False) -> list:
-    """pytest params for the backend a training test runs: "torch", and "triton" (an xfail where it cannot train).
-
-    Args:
-        lora: the test trains LoRA adapters on the packed projections, which the Triton path
-            refuses until a kernel takes the low-rank segment.
-    """
-    if TRITON_TRAINS and not lora:
-        if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            # these tests build CPU models; on a GPU machine the Triton path is tests/training's
-            return ["torch", pytest.param("triton", marks=pytest.mark.skip(
-                reason="builds CPU models: the Triton path on CPU needs TRITON_INTERPRET=1 (tests/training runs it "
-                       "on the GPU)"))]
-        return ["torch", pytest.param("triton", marks=pytest.mark.slow)]
-    reason = _NO_LORA_OP if lora else _NO_BACKWARD
-    return ["torch", pytest.param("triton", marks=pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                                                    reason=reason))]
+def train_backends() -> list:
+    """pytest params for the backend a training test runs: "torch", and "triton" (slow under the
+    interpreter; skipped on a GPU machine, where these CPU-model tests cannot run it)."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        # these tests build CPU models; on a GPU machine the Triton path is tests/training's
+        return ["torch", pytest.param("triton", marks=pytest.mark.skip(
+            reason="builds CPU models: the Triton path on CPU needs TRITON_INTERPRET=1 (tests/training runs it "
+                   "on the GPU)"))]
+    return ["torch", pytest.param("triton", marks=pytest.mark.slow)]
 
 
 def token_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 1) -> list[torch.Tensor]:

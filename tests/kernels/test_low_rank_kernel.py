@@ -1,0 +1,126 @@
+"""The kernels' LoRA paths against float64: the pointer kernel's low-rank segment
+(`dispatch_training.gated_gemm_low_rank`) and the backward kernel's dh_in input.
+
+The low-rank segment computes the gated GEMM over [x | x_lr] against [W | b_lr]; the check
+is `helpers.check` on exactly those concatenated operands (gate rows [Wg | Bg], up rows
+[Wu | Bu]). Outputs are poisoned with NaN before the run; shapes cover 1 token, I and r that are
+not multiples of any block, and non-contiguous operands.
+"""
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, EPS, KERNEL_DTYPES, check, make_case, packed_of, rel_err
+
+from swiglu_patch.kernels.dispatch_training import gated_backward, gated_gemm_low_rank
+from swiglu_patch.kernels.layout import split_interleaved
+
+# (m, k, i, r): 1 token; I not a multiple of 16; r of 1, below, at and past the segment's step of 16
+SHAPES = [(1, 64, 48, 16), (7, 50, 37, 5), (37, 40, 24, 1), (130, 72, 100, 33)]
+
+
+def _nan(shape, like):
+    return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+
+
+def _low_rank_case(m, k, i, r, dtype, bias, strided=False):
+    x, gate, up, bg, bu = make_case(m, k, i, dtype, bias)
+    x_lr = (torch.randn(m, 2 * r, device=DEVICE) * 0.5).to(dtype)
+    b_g = (torch.randn(i, r, device=DEVICE) / r**0.5).to(dtype)
+    b_u = (torch.randn(i, r, device=DEVICE) / r**0.5).to(dtype)
+    b_lr = packed_of(b_g, b_u)
+    if strided:  # every other column of x_lr, b_lr stored transposed
+        x_lr, b_lr = x_lr[:, ::2], b_lr.t().contiguous().t()
+    else:
+        x_lr = x_lr[:, :r].contiguous()
+    return x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("m,k,i,r", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_low_rank_segment_matches_float64(m, k, i, r, dtype, bias):
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, bias)
+    w, b = packed_of(gate, up), packed_of(bg, bu)
+    out = _nan((m, i), x)
+    gated_gemm_low_rank(x, w, x_lr, b_lr, "silu", b, out=out)
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
+def test_low_rank_segment_strided_operands_and_stored_preact(act):
+    """Non-contiguous x_lr and b_lr; with store_preact, P = x @ W^T + x_lr @ b_lr^T + b in the
+    packed interleaved columns, against float64."""
+    dtype = KERNEL_DTYPES[-1]
+    m, k, i, r = 19, 48, 40, 7
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, True, strided=True)
+    assert not x_lr.is_contiguous() and not b_lr.is_contiguous()
+    w, b = packed_of(gate, up), packed_of(bg, bu)
+    out, preact = _nan((m, i), x), _nan((m, 2 * i), x)
+    gated_gemm_low_rank(x, w, x_lr, b_lr, act, b, store_preact=True, out=out, preact_out=preact)
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu, act)
+    ref = x.double() @ w.double().t() + x_lr.double() @ b_lr.double().t() + b.double()
+    same = (x @ w.t() + x_lr @ b_lr.t() + b)
+    assert rel_err(preact, ref) <= 2 * rel_err(same, ref) + EPS[dtype]
+
+
+def test_low_rank_segment_large_magnitude_inputs_stay_finite():
+    dtype = KERNEL_DTYPES[-1]
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(9, 32, 24, 4, dtype, False)
+    x_lr = x_lr * 40  # pre-activations of order 50-100: h stays below fp16's largest value
+    out = _nan((9, 24), x)
+    gated_gemm_low_rank(x * 30, packed_of(gate, up), x_lr, b_lr, "silu", out=out)
+    check(out, torch.cat([x * 30, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), None, None)
+
+
+def test_low_rank_operands_that_do_not_fit_are_refused():
+    dtype = KERNEL_DTYPES[-1]
+    x, gate, up, _, _, x_lr, _, _, b_lr = _low_rank_case(5, 32, 16, 4, dtype, False)
+    w = packed_of(gate, up)
+    with pytest.raises(ValueError, match="x_lr must be"):
+        gated_gemm_low_rank(x, w, x_lr[:4], b_lr)
+    with pytest.raises(ValueError, match="b_lr must be"):
+        gated_gemm_low_rank(x, w, x_lr, b_lr[:, :3])
+    with pytest.raises(TypeError, match="b_lr must match"):
+        gated_gemm_low_rank(x, w, x_lr, b_lr.double())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("m,k,i", [(1, 64, 48), (7, 50, 37), (130, 96, 80)])
+def test_backward_dh_in_joins_dh_before_the_derivative(m, k, i, dtype):
+    """dP = d/dP of sum((dY @ Wd + dh_in) * h): the gradient a LoRA adapter on down_proj sends back
+    through h, against float64 autograd; dh_in non-contiguous."""
+    dy = torch.randn(m, k, device=DEVICE).to(dtype)
+    wd = (torch.randn(k, i, device=DEVICE) / i**0.5).to(dtype)
+    preact = torch.randn(m, 2 * i, device=DEVICE).to(dtype)
+    dh_in = torch.randn(i, m, device=DEVICE).to(dtype).t()
+    dpreact, h = _nan((m, 2 * i), dy), _nan((m, i), dy)
+    gated_backward(dy, wd, preact, "silu", dpreact_out=dpreact, h_out=h, dh_in=dh_in)
+    gate, up = (t.requires_grad_() for t in split_interleaved(preact.double(), -1))
+    h64 = torch.nn.functional.silu(gate) * up
+    dh64 = dy.double() @ wd.double() + dh_in.double()
+    dgate, dup = torch.autograd.grad(h64, (gate, up), dh64)
+    ours = torch.cat(split_interleaved(dpreact, -1), -1)
+    g16, u16 = (t.detach().requires_grad_() for t in split_interleaved(preact, -1))
+    same = torch.autograd.grad(torch.nn.functional.silu(g16) * u16, (g16, u16), dy @ wd + dh_in)
+    ref = torch.cat([dgate, dup], -1)
+    bound = 2 * rel_err(torch.cat(same, -1), ref) + EPS[dtype]
+    assert torch.isfinite(ours).all() and rel_err(ours, ref) <= bound, (rel_err(ours, ref), bound)
+    assert rel_err(h, h64) <= 2 * rel_err(torch.nn.functional.silu(g16) * u16, h64) + EPS[dtype]
+
+
+def test_backward_dh_in_runs_only_on_the_pointer_kernel():
+    dtype = KERNEL_DTYPES[-1]
+    dy, wd = torch.randn(4, 32, device=DEVICE).to(dtype), torch.randn(32, 16, device=DEVICE).to(dtype)
+    preact, dh_in = torch.randn(4, 32, device=DEVICE).to(dtype), torch.randn(4, 16, device=DEVICE).to(dtype)
+    with pytest.raises(ValueError, match="backward_pointer kernel only"):
+        gated_backward(dy, wd, preact, dh_in=dh_in, kernel="backward_tma")
+    with pytest.raises(ValueError, match="dh_in must be"):
+        gated_backward(dy, wd, preact, dh_in=dh_in[:3])
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 through the kernels needs the GPU (the interpreter's bf16 dot is wrong)")
+def test_low_rank_segment_bf16_on_the_gpu_matches_float64():
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(4096, 4096, 1024, 64, torch.bfloat16, False)
+    out = _nan((4096, 1024), x)
+    gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, "silu", out=out)
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), None, None)
