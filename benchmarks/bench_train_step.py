@@ -16,6 +16,10 @@ Ways (`--ways`), each with and without gradient checkpointing (`--checkpointing`
 - liger: `liger_kernel.transformers.apply_liger_kernel_to_llama(swiglu=True)` on the instance,
   and nothing else of Liger (RoPE, RMSNorm, cross entropy off), so the comparison is the MLP's.
 
+With `--lora R`: PEFT LoRA adapters (rank R, alpha 2R, dropout 0) on every projection of
+attention and MLP (`LORA_TARGETS`), the base frozen: `get_peft_model` on the way's model (for
+store and recompute after patching, through `swiglu_patch.lora.register`).
+
 Each (way, checkpointing) builds its model fresh, runs `--warmup` steps, then `--steps` timed
 steps; the ways take turns over `--rounds` rounds, order reversed every other round. Reported:
 tokens/s (batch x seq x ranks / median step time), the peak GPU memory of the way's first round
@@ -53,6 +57,7 @@ from .harness.models import MODELS, TINY, build_model, mlps
 PROG = "python -m benchmarks.bench_train_step"
 SCHEMA = 1
 WAYS = ("eager", "store", "recompute", "liger")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOSS_ATOL, LOSS_RTOL = 1e-2, 5e-2  # the convergence tolerance (tests/training_stack/convergence.py)
 
 
@@ -68,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=positive_int, default=5, help="timed steps per way and round")
     p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--fsdp2", action="store_true", help="shard with FSDP2 (run under torchrun)")
+    p.add_argument("--lora", type=nonnegative_int, default=0, metavar="R",
+                   help="train PEFT LoRA adapters of rank R on every projection, base frozen (0: full training)")
     p.add_argument("--budget-s", type=float, default=360.0, help="start no round after this many seconds (0: none)")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.fsdp2 and "WORLD_SIZE" not in os.environ and not args.render:
         p.error("--fsdp2 runs under torchrun: torchrun --standalone --nproc-per-node N -m benchmarks.bench_train_step "
                 "--fsdp2 ...")
+    if args.fsdp2 and args.lora:
+        p.error("--lora is not run under --fsdp2; drop one of them")
     if args.fsdp2:
         args.ways = [w for w in args.ways if w != "liger"]
     return args
@@ -121,6 +130,14 @@ def build_way(way: str, args, device, dtype, checkpointing: bool):
                 setattr(modeling_llama, name, value)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        from swiglu_patch.lora import register
+
+        config = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules=LORA_TARGETS)
+        torch.manual_seed(args.seed + 1)  # the same adapters for every way
+        model = get_peft_model(model, register(config) if way in ("store", "recompute") else config)
     if args.fsdp2:
         from torch.distributed.fsdp import fully_shard
 
@@ -141,7 +158,7 @@ def run_way(way: str, checkpointing: bool, args, device, dtype, data: list[torch
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_way(way, args, device, dtype, checkpointing)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     losses, times = [], []
     for n, ids in enumerate(data):
         ids = ids.to(device)
@@ -241,7 +258,8 @@ def run(args: argparse.Namespace) -> dict:
         "schema": SCHEMA, "kind": "bench_train_step", "env": environment(device, args.commit),
         "model": {"shape": dims.name, "label": dims.label, "layers": args.layers, "hidden": dims.hidden,
                   "intermediate": dims.intermediate, "vocab": dims.vocab, "dtype": str(dtype).removeprefix("torch.")},
-        "settings": {"seq": args.seq, "batch": args.batch, "ranks": world, "fsdp2": args.fsdp2, "warmup": args.warmup,
+        "settings": {"seq": args.seq, "batch": args.batch, "ranks": world, "fsdp2": args.fsdp2, "lora_rank": args.lora,
+                     "lora_targets": LORA_TARGETS if args.lora else None, "warmup": args.warmup,
                      "steps": args.steps, "rounds": args.rounds, "optimizer": "AdamW(lr=1e-5)",
                      "dry_run": args.dry_run, "tokens_per_step": tokens,
                      "stat": "median over rounds of each round's median step time; ways in turns, order reversed "
@@ -263,6 +281,8 @@ def render_markdown(data: dict) -> str:
              "",
              f"- {m['dtype']}, seq {s['seq']}, batch {s['batch']} per rank, {s['ranks']} rank(s)"
              f"{', FSDP2 (every layer and the model fully_shard-ed)' if s['fsdp2'] else ''}; {s['optimizer']}",
+             *([f"- PEFT LoRA r={s['lora_rank']} (alpha 2r, dropout 0) on {', '.join(s['lora_targets'])}; base frozen"]
+               if s.get("lora_rank") else []),
              f"- GPU: {gpu.get('name', 'none (dry run on CPU)')}; torch {v.get('torch')}, triton {v.get('triton')}, "
              f"transformers {v.get('transformers')}, liger-kernel {v.get('liger-kernel')}",
              f"- commit {env['git']['commit']}; measured {env.get('date_utc')}",

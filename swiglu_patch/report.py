@@ -89,5 +89,6 @@ class PatchReport:
             lines.append(f"  not patched: {cls} ({where}): {reason}")
         if self.trainable and self.training:
             lines.append("  the patched weights require grad: build the optimizer after patching (gate_up_interleaved "
-                         "replaces gate/up parameters); PEFT/LoRA cannot wrap fused gate/up: unpatch(model) first")
+                         "replaces gate/up parameters); for PEFT LoRA on gate/up, pass the LoraConfig through "
+                         "swiglu_patch.lora.register(config)")
         return "\n".join(lines)

@@ -65,3 +65,15 @@ def test_bad_arguments_are_one_line_errors(argv, message, capsys, monkeypatch):
         bench_train_step.main(argv)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_dry_run_with_lora_trains_the_adapters_to_eager_losses(tmp_path):
+    """--lora: PEFT adapters on every projection, patched through swiglu_patch.lora.register."""
+    argv = ["--dry-run", "--out", str(tmp_path), "--lora", "4", "--ways", "eager", "store", "--checkpointing", "off",
+            *FAST]
+    assert bench_train_step.main(argv) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["settings"]["lora_rank"] == 4 and set(data["results"]) == {"eager", "store"}
+    store = data["results"]["store"]
+    assert store["losses_within_tolerance"] and store["max_loss_diff"] < 1e-4
+    assert "PEFT LoRA r=4" in (tmp_path / "results.md").read_text()
