@@ -10,7 +10,8 @@ Modules, leaves first (each imports only modules above it in this list):
   `gated_gemm_tma_grid`, `gated_gemv` (forward), `gated_backward_pointer`, `gated_backward_tma`
   (training: dY @ W_down with the gated derivative in the epilogue);
 - `rules`: which kernel runs which call, as a table; `dispatch`: `gated_gemm`, the one entry
-  point, and `explain`.
+  point, and `explain`; `dispatch_training`: training's entry points on the same rules (the
+  forward that stores the pre-activation, the backward GEMM, the LoRA low-rank segment).
 
 Importing this package imports neither Triton nor any kernel: `swiglu_patch.functional`
 imports `dispatch` on first use.

@@ -118,3 +118,15 @@ def test_errors_name_the_problem():
         gated_mlp(x, PackedGateUp(w, b), wd.double(), bd)
     with pytest.raises(NotImplementedError, match="relu"):
         gated_mlp(x, PackedGateUp(w, b), wd, bd, epilogue="relu")
+
+
+def test_opcheck_low_rank_inference_op():
+    """``swiglu_patch::gated_gemm_low_rank`` (LoRA inference through the kernel's low-rank segment)."""
+    from swiglu_patch.low_rank import _low_rank_op
+
+    x, w, b, _, _ = _leaves(dtype=torch.float32, requires_grad=False)
+    args = (x, w, b, torch.randn(x.shape[0], 5, device=DEVICE), torch.randn(w.shape[0], 5, device=DEVICE),
+            "silu", 1.0, 1.0, 0, 0.0)
+    utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
+    result = torch.library.opcheck(_low_rank_op, args, test_utils=utils)
+    assert set(result.values()) == {"SUCCESS"}, result
