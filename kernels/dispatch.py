@@ -96,7 +96,7 @@ def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _build_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
                 approx_tanh: bool | None, captured: bool) -> tuple:
     check_operands("gated_gemm", x, weight, bias)
-    approx = _approx_tanh(x, approx_tanh)
+    approx = resolve_approx_tanh(x, approx_tanh)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
     plan = []
     for _, rule in candidates(_call_key(x, weight.shape[0] // 2, captured)):
@@ -176,7 +176,7 @@ def gated_gemm(
         epilogue = GatedEpilogue.of(epilogue)
     if kernel != "auto" or config is not None or x.dim() != 2:
         check_operands("gated_gemm", x, weight, bias)
-        return _forced(x, weight, bias, out, epilogue, _approx_tanh(x, approx_tanh), config, kernel)
+        return _forced(x, weight, bias, out, epilogue, resolve_approx_tanh(x, approx_tanh), config, kernel)
     signature = _signature(x, weight, bias, epilogue, approx_tanh)
     plan = _PLANS.get(signature)
     if plan is None:
@@ -194,11 +194,15 @@ def gated_gemm(
     raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
 
 
-def _approx_tanh(x: torch.Tensor, approx_tanh: bool | None) -> bool:
+def resolve_approx_tanh(x: torch.Tensor, approx_tanh: bool | None, fn: str = "gated_gemm") -> bool:
+    """Whether a call on x takes `tanh.approx.f32`: the caller's choice, or `default_approx_tanh`.
+
+    Raises:
+        ValueError: approx_tanh=True under the CPU interpreter (`fn` names the caller)."""
     if approx_tanh is None:
         return default_approx_tanh(x)
     if approx_tanh and interpreting():
-        raise ValueError("gated_gemm: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
+        raise ValueError(f"{fn}: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
                          "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
     return approx_tanh
 

@@ -21,7 +21,7 @@ from .configs import GatedGemmConfig, m_bucket
 from .device import interpreting
 from .dispatch import (
     _DTYPES, _MODULES, CallKey, _call_key, _fit_dtype, _known_capability, candidates, check_operands,
-    default_approx_tanh, mismatch,
+    mismatch, resolve_approx_tanh,
 )
 from .epilogue import GatedEpilogue
 from .rules import BACKWARD_RULES, PREACT_KERNELS
@@ -34,15 +34,6 @@ _PREACT_PLANS: dict[tuple, tuple] = {}
 _BACKWARD_PLANS: dict[tuple, tuple] = {}
 # (CallKey, has_bias, epilogue, approx_tanh, tf32, store_preact) -> launcher: low-rank plans.
 _LOW_RANK_PLANS: dict[tuple, object] = {}
-
-
-def _resolve_approx_tanh(fn: str, t: torch.Tensor, approx_tanh: bool | None) -> bool:
-    if approx_tanh is None:
-        return default_approx_tanh(t)
-    if approx_tanh and interpreting():
-        raise ValueError(f"{fn}: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which Triton's "
-                         "CPU interpreter cannot run; pass approx_tanh=None or False")
-    return approx_tanh
 
 
 def _check_out(fn: str, name: str, t: torch.Tensor, shape: tuple, like: torch.Tensor) -> None:
@@ -92,7 +83,7 @@ def gated_gemm_with_preact(
         return out, preact_out
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    approx_tanh = _resolve_approx_tanh(fn, x, approx_tanh)
+    approx_tanh = resolve_approx_tanh(x, approx_tanh, fn)
     if kernel == "auto" and config is None:
         captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
         key = _call_key(x, n // 2, captured)
@@ -198,7 +189,7 @@ def gated_backward(
     _check_out(fn, "h_out", h_out, (m, i), dy)
     if m == 0:
         return dpreact_out, h_out
-    approx_tanh = _resolve_approx_tanh(fn, dy, approx_tanh)
+    approx_tanh = resolve_approx_tanh(dy, approx_tanh, fn)
     args = (dy, down_weight, preact, dpreact_out, h_out)
     if dh_in is not None:
         _check_out(fn, "dh_in", dh_in, (m, i), dy)
@@ -337,7 +328,7 @@ def gated_gemm_low_rank(
         return out, preact
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    approx = _resolve_approx_tanh(fn, x, approx_tanh)
+    approx = resolve_approx_tanh(x, approx_tanh, fn)
     captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _call_key(x, n >> 1, captured)
     tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32

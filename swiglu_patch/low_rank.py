@@ -69,15 +69,17 @@ def pack_low_rank_b(b: torch.Tensor, half: str) -> torch.Tensor:
     return interleave_gate_up(gate, up)
 
 
-def _check(x, weight, x_lr, b_lr):
+def check_low_rank(fn: str, x: torch.Tensor, weight: torch.Tensor, x_lr: torch.Tensor, b_lr: torch.Tensor) -> None:
+    """Raise an error naming the problem and the fix (`fn`: the caller) unless x_lr is [..., r]
+    with x's leading dims and b_lr [2*I, r], both in x's dtype and on its device."""
     if x_lr.shape[:-1] != x.shape[:-1] or b_lr.dim() != 2 or b_lr.shape != (weight.shape[0], x_lr.shape[-1]):
         raise ValueError(
-            f"gated_linear_low_rank: x_lr must be [..., r] with x's leading dims {tuple(x.shape[:-1])} and b_lr "
+            f"{fn}: x_lr must be [..., r] with x's leading dims {tuple(x.shape[:-1])} and b_lr "
             f"[2*I, r] = [{weight.shape[0]}, r]; got x_lr {tuple(x_lr.shape)}, b_lr {tuple(b_lr.shape)}"
         )
     for name, t in (("x_lr", x_lr), ("b_lr", b_lr)):
         if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"gated_linear_low_rank: {name} must match x's dtype and device ({x.dtype} on "
+            raise TypeError(f"{fn}: {name} must match x's dtype and device ({x.dtype} on "
                             f"{x.device}), got {t.dtype} on {t.device}; cast it with .to()")
 
 
@@ -98,7 +100,7 @@ def gated_linear_low_rank_reference(
     Returns:
         [M, I] in x's dtype.
     """
-    _check(x, weight, x_lr, b_lr)
+    check_low_rank("gated_linear_low_rank", x, weight, x_lr, b_lr)
     return gated_linear_reference(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue)
 
 
@@ -145,7 +147,7 @@ def gated_linear_low_rank(
         ValueError, TypeError: operands that do not fit.
         NotImplementedError: the Triton backend asked for a gradient.
     """
-    _check(x, weight, x_lr, b_lr)
+    check_low_rank("gated_linear_low_rank", x, weight, x_lr, b_lr)
     backend = resolve_backend(backend, x.device)
     if backend != "torch":
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, x_lr, b_lr)):

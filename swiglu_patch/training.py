@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from .functional import dispatcher, training_dispatcher
 from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
 from .kernels.layout import PackedGateUp, interleave_gate_up, split_interleaved
+from .low_rank import check_low_rank
 
 MODES = ("store", "recompute")
 BACKENDS = ("auto", "triton", "torch")
@@ -288,16 +289,6 @@ def _check(x, weight, bias, down_weight, down_bias) -> None:
                             f"{t.dtype} on {t.device}; cast one with .to()")
 
 
-def _check_low_rank(x, weight, x_lr, b_lr) -> None:
-    if x_lr.shape[:-1] != x.shape[:-1] or b_lr.dim() != 2 or tuple(b_lr.shape) != (weight.shape[0], x_lr.shape[-1]):
-        raise ValueError(f"gated_mlp: x_lr must be [..., r] with x's leading dims {tuple(x.shape[:-1])} and b_lr "
-                         f"[2*I, r] = [{weight.shape[0]}, r]; got x_lr {tuple(x_lr.shape)}, b_lr {tuple(b_lr.shape)}")
-    for name, t in (("x_lr", x_lr), ("b_lr", b_lr)):
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"gated_mlp: {name} must match x's dtype and device ({x.dtype} on {x.device}), got "
-                            f"{t.dtype} on {t.device}; cast it with .to()")
-
-
 def gated_mlp_interleaved(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -329,7 +320,7 @@ def gated_mlp_interleaved(
     if (x_lr is None) != (b_lr is None):
         raise ValueError("gated_mlp: x_lr and b_lr come together (the low-rank input and weight); got one of them")
     if x_lr is not None:
-        _check_low_rank(x, weight, x_lr, b_lr)
+        check_low_rank("gated_mlp", x, weight, x_lr, b_lr)
     backend = resolve_backend(backend, x)
     tensors = (x, weight, bias, down_weight, down_bias, x_lr, b_lr)
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
