@@ -260,6 +260,12 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_unified_assistant": dict(num_kv_shared_layers=0),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
     "deepseek_ocr2": dict(text_config=dict(mlp_layer_types=["dense", "sparse"])),
+    # layer counts in (attention, mlp) pairs; input + recurrent + output layers = num_hidden_layers
+    "dory": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, n_input_layers=1,
+                 n_recurrent_layers=2, n_output_layers=1),
+    # image and audio token ranges inside the tiny vocabulary; the audio codebook as wide as its hidden size
+    "apertus1p5": dict(image_token_offset=64, audio_token_offset=80, vision_config=dict(codebook_size=16),
+                       audio_config=dict(codebook_size=16, codebook_dim=64)),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),
     "diffusion_gemma": dict(canvas_length=8, text_config=dict(num_experts=EXPERTS, top_k_experts=EXPERTS_PER_TOKEN,
                                              moe_intermediate_size=EXPERT_INTERMEDIATE)),
