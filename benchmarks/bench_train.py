@@ -86,6 +86,10 @@ def _configs(dry: bool) -> tuple[list, list]:
         t = dict(group_m=8, num_warps=8, num_stages=4)  # the rules' Hopper tile, varied one field at a time
         bwd = [("backward_tma", C(128, 128, 64, **t)), ("backward_tma", C(128, 128, 64, **t | {"num_stages": 3})),
                ("backward_tma", C(128, 128, 64, **t | {"group_m": 4})),
+               ("backward_tma", C(128, 128, 64, **t, warp_specialize=True)),
+               ("backward_tma", C(128, 128, 64, **t | {"num_stages": 3}, warp_specialize=True)),
+               ("backward_tma", C(128, 128, 64, **t | {"group_m": 16})),
+               ("backward_tma", C(128, 128, 128, **t | {"num_stages": 3})),
                ("backward_tma", C(128, 128, 32, **t | {"num_stages": 6})),
                ("backward_tma", C(128, 64, 64, **t | {"num_warps": 4})), ("backward_tma", C(128, 64, 64, **t)),
                ("backward_tma", C(64, 128, 64, **t | {"num_warps": 4, "num_stages": 2, "programs_per_sm": 2})),
