@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from . import gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma
+from . import gated_backward_pointer, gated_backward_tma, gated_gemm_tma
 from .configs import GatedGemmConfig, m_bucket
 from .device import interpreting
 from .dispatch import (
@@ -32,7 +32,7 @@ _BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma":
 _PREACT_PLANS: dict[tuple, tuple] = {}
 # (CallKey, epilogue, approx_tanh, tf32) -> ((can_run, launcher), ...): backward plans.
 _BACKWARD_PLANS: dict[tuple, tuple] = {}
-# (CallKey, has_bias, epilogue, approx_tanh, tf32, store_preact) -> launcher: low-rank plans.
+# (CallKey, has_bias, epilogue, approx_tanh, tf32, store_preact) -> ((can_run, launcher), ...): low-rank plans.
 _LOW_RANK_PLANS: dict[tuple, object] = {}
 
 
@@ -101,22 +101,29 @@ def gated_gemm_with_preact(
                 launch(x, weight, bias, out, preact_out)
                 return out, preact_out
         raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
+    module, config = _forced_forward(fn, kernel, config, x, weight, out, preact_out)
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
+    module.make_launcher(config, epi, bias is not None, x.dtype, True)(x, weight, bias, out, preact_out)
+    return out, preact_out
+
+
+def _forced_forward(fn: str, kernel: str, config: GatedGemmConfig | None, x: torch.Tensor, weight: torch.Tensor,
+                    *outputs_and_low_rank: torch.Tensor | None) -> tuple[object, GatedGemmConfig]:
+    """(kernel module, config fitted to x's dtype) for a call that names its forward kernel:
+    "pointer" or "tma"; config None takes that kernel's Hopper rule for the call's shape."""
     if kernel not in PREACT_KERNELS:
         raise ValueError(f"{fn}: kernel must be 'auto' or one of {PREACT_KERNELS} (the kernels that store the "
                          f"pre-activation), got {kernel!r}")
     module = _MODULES[kernel]
-    if not module.can_run(x, weight, out, preact_out):
+    if not module.can_run(x, weight, *outputs_and_low_rank):
         raise ValueError(f"{fn}: kernel='tma' needs bf16/fp16 tensors with unit inner strides, 16-byte-aligned "
                          f"rows and I % 16 == 0; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}; "
                          "use kernel='auto'")
     if config is None:
-        m_rule = max(m, 65) if kernel == "tma" else m
-        key = dataclasses.replace(_call_key(x, n // 2, False, m_rule), capability=(9, 0), gpu="")
+        m_rule = max(x.shape[0], 65) if kernel == "tma" else x.shape[0]
+        key = dataclasses.replace(_call_key(x, weight.shape[0] // 2, False, m_rule), capability=(9, 0), gpu="")
         config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
-    config = _fit_dtype(config, x.dtype)
-    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    module.make_launcher(config, epi, bias is not None, x.dtype, True)(x, weight, bias, out, preact_out)
-    return out, preact_out
+    return module, _fit_dtype(config, x.dtype)
 
 
 def check_backward_operands(fn: str, dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor) -> None:
@@ -169,7 +176,7 @@ def gated_backward(
             `rules.BACKWARD_KERNELS`: "backward_pointer", "backward_tma").
         approx_tanh: silu and gelu_tanh through `tanh.approx.f32`; None: `default_approx_tanh`.
         dh_in: optional [M, I] further gradient of h (dy's dtype, any strides), added to dY @ Wd
-            before the derivative; runs the pointer kernel.
+            before the derivative (LoRA on the down projection).
 
     Returns:
         (dpreact [M, 2*I], h [M, I]) in dy's dtype.
@@ -191,45 +198,31 @@ def gated_backward(
         return dpreact_out, h_out
     approx_tanh = resolve_approx_tanh(dy, approx_tanh, fn)
     args = (dy, down_weight, preact, dpreact_out, h_out)
-    if dh_in is not None:
+    has_dh_in = dh_in is not None
+    if has_dh_in:
         _check_out(fn, "dh_in", dh_in, (m, i), dy)
-        if kernel not in ("auto", "backward_pointer"):
-            raise ValueError(f"{fn}: dh_in runs on the backward_pointer kernel only, got kernel={kernel!r}")
-        key = _call_key(dy, i, dy.is_cuda and torch.cuda.is_current_stream_capturing())
-        tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-        cache_key = (key, epilogue, approx_tanh, tf32, "dh_in")
-        launch = None if config is not None else _BACKWARD_PLANS.get(cache_key)
-        if launch is None:
-            chosen = config or next(r.config for r in BACKWARD_RULES
-                                    if r.kernel == "backward_pointer" and mismatch(r, key) is None)
-            epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-            launch = gated_backward_pointer.make_launcher(_fit_dtype(chosen, key.dtype), epi, key.dtype, True)
-            if config is None:
-                _BACKWARD_PLANS[cache_key] = launch
-        launch(*args, dh_in)
-        return dpreact_out, h_out
     if kernel == "auto" and config is None:
         captured = dy.is_cuda and torch.cuda.is_current_stream_capturing()
         key = _call_key(dy, i, captured)
         tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-        cache_key = (key, epilogue, approx_tanh, tf32)
+        cache_key = (key, epilogue, approx_tanh, tf32, has_dh_in)
         plan = _BACKWARD_PLANS.get(cache_key)
         if plan is None:
             epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
             plan = _BACKWARD_PLANS[cache_key] = tuple(
                 (_BACKWARD_MODULES[r.kernel].can_run, _BACKWARD_MODULES[r.kernel].make_launcher(
-                    _fit_dtype(r.config, key.dtype), epi, key.dtype))
+                    _fit_dtype(r.config, key.dtype), epi, key.dtype, has_dh_in))
                 for r in BACKWARD_RULES if mismatch(r, key) is None)
         for can_run, launch in plan:
-            if can_run(*args):
+            if can_run(*args, dh_in):
                 gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
-                launch(*args)
+                launch(*args, dh_in)
                 return dpreact_out, h_out
         raise AssertionError("rules.BACKWARD_RULES ends with pointer rules that match every call")  # unreachable
     if kernel not in _BACKWARD_MODULES:
         raise ValueError(f"{fn}: kernel must be 'auto' or one of {tuple(_BACKWARD_MODULES)}, got {kernel!r}")
     module = _BACKWARD_MODULES[kernel]
-    if not module.can_run(*args):
+    if not module.can_run(*args, dh_in):
         raise ValueError(f"{fn}: kernel={kernel!r} needs bf16/fp16 tensors with unit inner strides, 16-byte-aligned "
                          f"rows and I % 16 == 0; got dy {tuple(dy.shape)} {dy.dtype}, I = {i}; use kernel='auto'")
     if config is None:
@@ -238,7 +231,7 @@ def gated_backward(
     config = _fit_dtype(config, dy.dtype)
     epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
     gated_gemm_tma.ensure_allocator()
-    module.make_launcher(config, epi, dy.dtype)(*args)
+    module.make_launcher(config, epi, dy.dtype, has_dh_in)(*args, dh_in)
     return dpreact_out, h_out
 
 
@@ -288,13 +281,16 @@ def gated_gemm_low_rank(
     approx_tanh: bool | None = None,
     out: torch.Tensor | None = None,
     preact_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated GEMM over [x | x_lr] against [W | b_lr], neither concatenated (LoRA's update).
 
         P = x @ W^T + x_lr @ b_lr^T + b,   out = epilogue(gate(P), up(P))
 
-    Runs the pointer kernel's low-rank segment, with the tile of the first pointer rule of
-    `rules.RULES` that matches the call.
+    Runs the low-rank segment of the first rule of `rules.RULES` whose kernel has one ("tma" or
+    "pointer", `rules.PREACT_KERNELS`) and can run the call: the TMA kernel needs x_lr and b_lr
+    TMA-aligned too (r % 8 == 0 for 16-bit contiguous operands).
 
     Args:
         x: [M, K]; weight: [2*I, K] interleaved; bias: [2*I] or None (as `gated_gemm`).
@@ -304,6 +300,7 @@ def gated_gemm_low_rank(
         store_preact: also return P [M, 2*I] (x's dtype, interleaved, rounded once), for the backward.
         out, preact_out: optional [M, I] and [M, 2*I] tensors to write (x's dtype, any strides);
             allocated if None (preact_out only with store_preact).
+        config, kernel: as `gated_gemm_with_preact`.
 
     Returns:
         (out [M, I], P or None) in x's dtype.
@@ -329,15 +326,26 @@ def gated_gemm_low_rank(
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     approx = resolve_approx_tanh(x, approx_tanh, fn)
+    if kernel != "auto" or config is not None:
+        module, config = _forced_forward(fn, "pointer" if kernel == "auto" else kernel, config, x, weight, out,
+                                         preact, x_lr, b_lr)
+        epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
+        module.make_launcher(config, epi, bias is not None, x.dtype, store_preact, low_rank=True)(
+            x, weight, bias, out, preact, x_lr, b_lr)
+        return out, preact
     captured = x.is_cuda and torch.cuda.is_current_stream_capturing()
     key = _call_key(x, n >> 1, captured)
     tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     cache_key = (key, bias is not None, epilogue, approx, tf32, store_preact)
-    launch = _LOW_RANK_PLANS.get(cache_key)
-    if launch is None:
-        rule = next(r for _, r in candidates(key) if r.kernel == "pointer")
+    plan = _LOW_RANK_PLANS.get(cache_key)
+    if plan is None:
         epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
-        launch = _LOW_RANK_PLANS[cache_key] = gated_gemm_pointer.make_launcher(
-            _fit_dtype(rule.config, key.dtype), epi, bias is not None, key.dtype, store_preact, low_rank=True)
-    launch(x, weight, bias, out, preact, x_lr, b_lr)
-    return out, preact
+        plan = _LOW_RANK_PLANS[cache_key] = tuple(
+            (_MODULES[r.kernel].can_run, _MODULES[r.kernel].make_launcher(
+                _fit_dtype(r.config, key.dtype), epi, bias is not None, key.dtype, store_preact, low_rank=True))
+            for _, r in candidates(key) if r.kernel in PREACT_KERNELS)
+    for can_run, launch in plan:
+        if can_run(x, weight, out, preact, x_lr, b_lr):
+            launch(x, weight, bias, out, preact, x_lr, b_lr)
+            return out, preact
+    raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable

@@ -15,6 +15,9 @@ dP = (dH * dh/dgate, dH * dh/dup) from the matching tile of P, organised for lar
   read before it is written, and no other program touches it). Half-tiles halve the
   epilogue's staging shared memory and registers.
 - persistent programs (`config.programs_per_sm` per SM) walk the tiles in grouped order.
+- HAS_DH_IN: a further gradient of h, dh_in [M, I] (LoRA on the down projection sends one back
+  through h), is added to each fp32 dH half before the derivative. It is read with plain
+  loads (any strides), not TMA: the 4-stage pipeline leaves no shared memory for another box.
 
 TMA zero-fills out-of-bounds reads and clips out-of-bounds writes, so any M and K work; it
 needs 16-bit dtypes, I % 16 == 0 (whole blocks) and TMA-aligned dY, Wd, P, dP and h: unit
@@ -35,11 +38,18 @@ from .layout import GATE_UP_BLOCK
 
 
 @triton.jit
-def _epilogue_half(dh, p_desc, dp_desc, h_desc, offs_m, offs_n,
-                   ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr, GATE_SCALE: tl.constexpr,
-                   OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
+def _epilogue_half(dh, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
+                   HAS_DH_IN: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                   GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
                    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, HALF_N: tl.constexpr):
-    """dH [BM, HALF_N] of output columns offs_n.. -> h there and dP in P's columns 2*offs_n.. ."""
+    """dH [BM, HALF_N] of output columns offs_n.. (plus dh_in there) -> h there and dP in P's
+    columns 2*offs_n.. ."""
+    if HAS_DH_IN:
+        rows = offs_m + tl.arange(0, BLOCK_SIZE_M)
+        cols = offs_n + tl.arange(0, HALF_N)
+        dh_in = tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi,
+                        mask=(rows[:, None] < M) & (cols[None, :] < I), other=0.0)
+        dh += dh_in.to(tl.float32)
     p = p_desc.load([offs_m, 2 * offs_n]).to(tl.float32)  # [BLOCK_SIZE_M, 2 * HALF_N], interleaved by 16
     p = tl.permute(tl.reshape(p, (BLOCK_SIZE_M, HALF_N // GATE_UP_BLOCK, 2, GATE_UP_BLOCK)), (0, 1, 3, 2))
     gate, up = tl.split(tl.reshape(p, (BLOCK_SIZE_M, HALF_N, 2)))  # [BLOCK_SIZE_M, HALF_N] each
@@ -53,8 +63,9 @@ def _epilogue_half(dh, p_desc, dp_desc, h_desc, offs_m, offs_n,
 
 @triton.jit
 def _gated_backward_tma_kernel(
-    dy_ptr, wd_ptr, p_ptr, dp_ptr, h_ptr, M, I, K, stride_dym, stride_wdk, stride_pm, stride_dpm, stride_hm,
-    ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    dy_ptr, wd_ptr, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I, K,
+    stride_dym, stride_wdk, stride_pm, stride_dpm, stride_hm, stride_dhm, stride_dhi,
+    HAS_DH_IN: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
@@ -91,15 +102,18 @@ def _gated_backward_tma_kernel(
 
         # -- epilogue, in two halves of output columns --
         dh_lo, dh_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, HALF_N)), (0, 2, 1)))
-        _epilogue_half(dh_lo, p_desc, dp_desc, h_desc, offs_m, offs_n, ACTIVATION, APPROX_TANH, GATE_SCALE,
+        _epilogue_half(dh_lo, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
+                       HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE,
                        OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, HALF_N)
-        _epilogue_half(dh_hi, p_desc, dp_desc, h_desc, offs_m, offs_n + HALF_N, ACTIVATION, APPROX_TANH,
+        _epilogue_half(dh_hi, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m,
+                       offs_n + HALF_N, HAS_DH_IN, ACTIVATION, APPROX_TANH,
                        GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, HALF_N)
 
 
 def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-            h: torch.Tensor) -> bool:
-    """16-bit, whole gate/up blocks (I % 16 == 0) and TMA-aligned tensors (`device.tma_aligned`)."""
+            h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
+    """16-bit, whole gate/up blocks (I % 16 == 0) and TMA-aligned tensors (`device.tma_aligned`);
+    dh_in, read with plain loads, may have any strides."""
     return (
         dy.dtype in (torch.bfloat16, torch.float16)
         and down_weight.shape[1] % GATE_UP_BLOCK == 0
@@ -107,22 +121,25 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
     )
 
 
-def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
-    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I])`
+def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):
+    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
     running `config.programs_per_sm` persistent programs per SM, writing dP (may be preact itself)
-    and h; the tensors passed `can_run`. config.block_n must be a multiple of 2 * GATE_UP_BLOCK
+    and h; the tensors passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without. config.block_n must be a multiple of 2 * GATE_UP_BLOCK
     (each epilogue half holds whole gate/up blocks). The device-built descriptors need Triton's
     scratch allocator set (`dispatch` sets it)."""
     if config.block_n % (2 * GATE_UP_BLOCK):
         raise ValueError(f"gated_backward_tma: block_n must be a multiple of {2 * GATE_UP_BLOCK}, got {config.block_n}")
     fixed = dict(
-        **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
     def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
-               h: torch.Tensor) -> None:
+               h: torch.Tensor, dh_in: torch.Tensor | None = None) -> None:
+        if has_dh_in and dh_in is None:
+            raise ValueError("gated_backward_tma: a HAS_DH_IN launcher needs dh_in")
+        dh = dh_in if has_dh_in else h  # not read without HAS_DH_IN
         m, k = dy.shape
         i = down_weight.shape[1]
         index = dy.device.index or 0
@@ -131,7 +148,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype):
         kernel = kernels.get(programs)
         if kernel is None:
             kernel = kernels[programs] = FastLaunch(_gated_backward_tma_kernel, dict(fixed, NUM_PROGRAMS=programs))
-        kernel(programs, index, dy, down_weight, preact, dpreact, h, m, i, k,
-               dy.stride(0), down_weight.stride(0), preact.stride(0), dpreact.stride(0), h.stride(0))
+        kernel(programs, index, dy, down_weight, preact, dpreact, h, dh, m, i, k,
+               dy.stride(0), down_weight.stride(0), preact.stride(0), dpreact.stride(0), h.stride(0), *dh.stride())
 
     return launch

@@ -127,7 +127,8 @@ def _gated_gemm_fwd_kernel(
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None) -> bool:
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,
+            x_lr: torch.Tensor | None = None, b_lr: torch.Tensor | None = None) -> bool:
     """Every call the dispatcher makes: any device Triton runs on, any strides, any I."""
     return True
 
@@ -148,7 +149,8 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
     else:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
-        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, **epilogue, INPUT_PRECISION=precision, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, **epilogue, INPUT_PRECISION=precision,
+        GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         BLOCK_SIZE_R=BLOCK_SIZE_R, num_warps=config.num_warps, num_stages=config.num_stages,
     ))
     bm, bn = config.block_m, config.block_n

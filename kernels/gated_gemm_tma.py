@@ -27,6 +27,13 @@ out as two [BLOCK_SIZE_M, BLOCK_SIZE_N] TMA boxes, which reuse the output's stag
 memory (one [BM, 2*BN] box would not fit beside a 4-stage 128x(2*128)x64 pipeline). Off, the
 branch and the P descriptor are compiled out.
 
+Low-rank segment (HAS_LOW_RANK, LoRA's gate/up adapters: `swiglu_patch.low_rank`): P also gets
+x_lr @ b_lr^T, x_lr [M, R] and b_lr [2*I, R] in the packed row layout, by a second loop over R
+in BLOCK_SIZE_R steps after the K loop, into the same accumulator, before the bias: one
+[BLOCK_SIZE_M, BLOCK_SIZE_R] box of x_lr and one [2*BLOCK_SIZE_N, BLOCK_SIZE_R] box of packed
+b_lr rows per step (zero-filled past R). x_lr and b_lr must be TMA-aligned too (R % 8 == 0 for
+16-bit dtypes).
+
 TMA zero-fills out-of-bounds reads and clips out-of-bounds writes, so any M and K work; it
 needs 16-bit dtypes, I % 16 == 0 (whole blocks; every real model), unit inner strides and
 16-byte-aligned row strides and base pointers (`can_run`).
@@ -63,6 +70,16 @@ def _k_loop(x_desc, w_desc, offs_m, offs_w, k_tiles,
 
 
 @triton.jit
+def _low_rank_loop(acc, xl_desc, bl_desc, offs_m, offs_w, r_tiles, BLOCK_SIZE_R: tl.constexpr):
+    """acc + sum over R tiles of x_lr[offs_m:, r] @ b_lr[offs_w:, r]^T (LoRA's update of the tile)."""
+    for ri in range(0, r_tiles):
+        xl = xl_desc.load([offs_m, ri * BLOCK_SIZE_R])  # [BLOCK_SIZE_M, BLOCK_SIZE_R]
+        bl = bl_desc.load([offs_w, ri * BLOCK_SIZE_R])  # [2 * BLOCK_SIZE_N, BLOCK_SIZE_R]
+        acc = tl.dot(xl, bl.T, acc)
+    return acc
+
+
+@triton.jit
 def _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I,
                 HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
                 ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
@@ -86,9 +103,12 @@ def _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I,
 
 @triton.jit
 def _gated_gemm_tma_kernel(
-    x_ptr, w_ptr, out_ptr, b_ptr, p_ptr, M, I, K, dp_tiles, stride_xm, stride_wn, stride_om, stride_pm,
+    x_ptr, w_ptr, out_ptr, b_ptr, p_ptr, xl_ptr, bl_ptr, M, I, K, R, dp_tiles,
+    stride_xm, stride_wn, stride_om, stride_pm, stride_xlm, stride_bln,
     HAS_BIAS: tl.constexpr,
     STORE_PREACT: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
@@ -109,6 +129,10 @@ def _gated_gemm_tma_kernel(
         p_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
     else:
         p_desc = out_desc  # never stored through
+    if HAS_LOW_RANK:
+        xl_desc = tl.make_tensor_descriptor(xl_ptr, [M, R], [stride_xlm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_R])
+        bl_desc = tl.make_tensor_descriptor(bl_ptr, [2 * I, R], [stride_bln, 1], [2 * BLOCK_SIZE_N, BLOCK_SIZE_R])
+    r_tiles = tl.cdiv(R, BLOCK_SIZE_R)
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
@@ -122,6 +146,8 @@ def _gated_gemm_tma_kernel(
         offs_m = pid_m * BLOCK_SIZE_M
         offs_w = pid_n * 2 * BLOCK_SIZE_N  # first packed row of this tile's blocks
         acc = _k_loop(x_desc, w_desc, offs_m, offs_w, k_tiles, BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K)
+        if HAS_LOW_RANK:
+            acc = _low_rank_loop(acc, xl_desc, bl_desc, offs_m, offs_w, r_tiles, BLOCK_SIZE_R)
         _store_tile(acc, out_desc, p_desc, b_ptr, offs_m, offs_w, pid_n, I, HAS_BIAS, STORE_PREACT,
                     ACTIVATION, APPROX_TANH,
                     GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, BLOCK_SIZE_N)
@@ -135,12 +161,16 @@ def _gated_gemm_tma_kernel(
             p_tail_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, SUB_N])
         else:
             p_tail_desc = out_tail_desc
+        if HAS_LOW_RANK:
+            bl_tail_desc = tl.make_tensor_descriptor(bl_ptr, [2 * I, R], [stride_bln, 1], [2 * SUB_N, BLOCK_SIZE_R])
         for sub_id in tl.range(start_pid, (num_tiles - dp_tiles) * TAIL_SPLIT, NUM_PROGRAMS):
             pid_m, pid_n = tile_pid(dp_tiles + sub_id // TAIL_SPLIT, num_pid_in_group, num_pid_m, GROUP_SIZE_M)
             sub_n = pid_n * TAIL_SPLIT + sub_id % TAIL_SPLIT  # in units of SUB_N output columns
             offs_m = pid_m * BLOCK_SIZE_M
             offs_w = sub_n * 2 * SUB_N
             acc = _k_loop(x_desc, w_tail_desc, offs_m, offs_w, k_tiles, BLOCK_SIZE_M, SUB_N, BLOCK_SIZE_K)
+            if HAS_LOW_RANK:
+                acc = _low_rank_loop(acc, xl_desc, bl_tail_desc, offs_m, offs_w, r_tiles, BLOCK_SIZE_R)
             _store_tile(acc, out_tail_desc, p_tail_desc, b_ptr, offs_m, offs_w, sub_n, I, HAS_BIAS, STORE_PREACT,
                         ACTIVATION, APPROX_TANH,
                         GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, SUB_N)
@@ -158,9 +188,14 @@ def ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None) -> bool:
-    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`), preact too."""
-    return tma_operands_ok(x, weight, out) and (preact is None or tma_aligned(preact))
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,
+            x_lr: torch.Tensor | None = None, b_lr: torch.Tensor | None = None) -> bool:
+    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`); preact and the
+    low-rank operands too, where given."""
+    return tma_operands_ok(x, weight, out) and all(t is None or tma_aligned(t) for t in (preact, x_lr, b_lr))
+
+
+BLOCK_SIZE_R = 16  # the low-rank segment's step: wgmma's K for 16-bit operands
 
 
 def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[int, int]:
@@ -177,21 +212,27 @@ def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[
 
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
-                  store_preact: bool = False):
-    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I], preact) -> out` running
-    `config.programs_per_sm` persistent programs per SM; the tensors passed `can_run`. With
-    store_preact it also writes preact [M, 2*I] (must be given); without, preact is None."""
+                  store_preact: bool = False, low_rank: bool = False):
+    """A launcher `(x [M, K], weight [2*I, K], bias [2*I] or None, out [M, I], preact, x_lr, b_lr)
+    -> out` running `config.programs_per_sm` persistent programs per SM; the tensors passed
+    `can_run`. With store_preact it also writes preact [M, 2*I] (must be given); without, preact
+    is None. With low_rank, x_lr [M, R] and b_lr [2*I, R] must be given; without, they are None."""
     fixed = dict(
-        HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, BLOCK_SIZE_R=BLOCK_SIZE_R,
+        **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     kernels: dict[tuple[int, int], FastLaunch] = {}  # (programs, tail split) -> launcher
 
     def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               preact: torch.Tensor | None = None) -> torch.Tensor:
+               preact: torch.Tensor | None = None, x_lr: torch.Tensor | None = None,
+               b_lr: torch.Tensor | None = None) -> torch.Tensor:
         if store_preact and preact is None:
             raise ValueError("gated_gemm_tma: a STORE_PREACT launcher needs preact")
+        if low_rank and (x_lr is None or b_lr is None):
+            raise ValueError("gated_gemm_tma: a low-rank launcher needs x_lr and b_lr")
         p = out if preact is None else preact  # not read unless STORE_PREACT
+        xl, bl = (x_lr, b_lr) if low_rank else (x, weight)  # not read unless HAS_LOW_RANK
         m, k = x.shape
         i = weight.shape[0] >> 1
         index = x.device.index or 0
@@ -203,8 +244,9 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
             kernel = kernels[programs, split] = FastLaunch(
                 _gated_gemm_tma_kernel, dict(fixed, NUM_PROGRAMS=programs, TAIL_SPLIT=split))
         ensure_allocator()
-        kernel(programs, index, x, weight, out, weight if bias is None else bias, p, m, i, k, dp_tiles,
-               x.stride(0), weight.stride(0), out.stride(0), p.stride(0))
+        kernel(programs, index, x, weight, out, weight if bias is None else bias, p, xl, bl, m, i, k,
+               xl.shape[1] if low_rank else 0, dp_tiles,
+               x.stride(0), weight.stride(0), out.stride(0), p.stride(0), xl.stride(0), bl.stride(0))
         return out
 
     return launch

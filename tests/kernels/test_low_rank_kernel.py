@@ -1,5 +1,5 @@
-"""The kernels' LoRA paths against float64: the pointer kernel's low-rank segment
-(`dispatch_training.gated_gemm_low_rank`) and the backward kernel's dh_in input.
+"""The kernels' LoRA paths against float64: the low-rank segment of the pointer and TMA kernels
+(`dispatch_training.gated_gemm_low_rank`) and the backward kernels' dh_in input.
 
 The low-rank segment computes the gated GEMM over [x | x_lr] against [W | b_lr]; the check
 is `helpers.check` on exactly those concatenated operands (gate rows [Wg | Bg], up rows
@@ -11,11 +11,17 @@ import pytest
 import torch
 from helpers import CUDA, DEVICE, EPS, KERNEL_DTYPES, check, make_case, packed_of, rel_err
 
+from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.dispatch_training import gated_backward, gated_gemm_low_rank
 from swiglu_patch.kernels.layout import split_interleaved
 
 # (m, k, i, r): 1 token; I not a multiple of 16; r of 1, below, at and past the segment's step of 16
 SHAPES = [(1, 64, 48, 16), (7, 50, 37, 5), (37, 40, 24, 1), (130, 72, 100, 33)]
+# the TMA kernel: I % 16 == 0, 16-byte rows (r % 8 == 0); r = 24 reads a zero-filled half step
+TMA_SHAPES = [(1, 64, 48, 16), (37, 72, 64, 8), (130, 96, 80, 24)]
+TMA_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
+# small tiles for the interpreter; None on the GPU: the kernel's Hopper rule
+TMA_CONFIG = None if CUDA else C(16, 16, 16, group_m=2)
 
 
 def _nan(shape, like):
@@ -44,6 +50,39 @@ def test_low_rank_segment_matches_float64(m, k, i, r, dtype, bias):
     out = _nan((m, i), x)
     gated_gemm_low_rank(x, w, x_lr, b_lr, "silu", b, out=out)
     check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
+
+
+@pytest.mark.parametrize("dtype", TMA_DTYPES)
+@pytest.mark.parametrize("m,k,i,r", TMA_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_tma_low_rank_segment_matches_float64(m, k, i, r, dtype, bias):
+    """The TMA kernel's R loop, with P stored: out and P against float64."""
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, bias)
+    w, b = packed_of(gate, up), packed_of(bg, bu)
+    out, preact = _nan((m, i), x), _nan((m, 2 * i), x)
+    gated_gemm_low_rank(x, w, x_lr, b_lr, "silu", b, store_preact=True, out=out, preact_out=preact,
+                        config=TMA_CONFIG, kernel="tma")
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
+    ref = x.double() @ w.double().t() + x_lr.double() @ b_lr.double().t() + (b.double() if bias else 0)
+    same = x @ w.t() + x_lr @ b_lr.t() + (b if bias else 0)
+    assert rel_err(preact, ref) <= 2 * rel_err(same, ref) + EPS[dtype]
+
+
+@pytest.mark.parametrize("m", [45, 300])
+def test_tma_low_rank_segment_in_the_split_tail(m):
+    """Split-tail programs add the low-rank segment through their narrower b_lr boxes too."""
+    dtype = TMA_DTYPES[-1]
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, 96, 128, 16, dtype, False)
+    config = C(64, 64, 32, group_m=2, split_tail=True) if CUDA else C(16, 64, 32, group_m=2, split_tail=True)
+    out, _ = gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, "silu", config=config, kernel="tma")
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), None, None)
+
+
+def test_tma_low_rank_segment_refuses_unaligned_adapters():
+    """r = 5 gives 10-byte rows, which TMA cannot address: named, with the fix."""
+    x, gate, up, _, _, x_lr, _, _, b_lr = _low_rank_case(8, 64, 48, 5, TMA_DTYPES[-1], False)
+    with pytest.raises(ValueError, match="kernel='tma' needs.*use kernel='auto'"):
+        gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, kernel="tma")
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh", "gelu"])
@@ -84,9 +123,16 @@ def test_low_rank_operands_that_do_not_fit_are_refused():
         gated_gemm_low_rank(x, w, x_lr, b_lr.double())
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("m,k,i", [(1, 64, 48), (7, 50, 37), (130, 96, 80)])
-def test_backward_dh_in_joins_dh_before_the_derivative(m, k, i, dtype):
+# (kernel, m, k, i): the TMA kernel needs I % 16 == 0 and 16-byte rows
+DH_IN_CASES = [("backward_pointer", 1, 64, 48), ("backward_pointer", 7, 50, 37), ("backward_pointer", 130, 96, 80),
+               ("backward_tma", 1, 64, 48), ("backward_tma", 7, 40, 96), ("backward_tma", 130, 96, 80)]
+SMALL_BWD = {"backward_pointer": C(32, 32, 32, group_m=2), "backward_tma": C(16, 32, 16, group_m=2)}
+
+
+@pytest.mark.parametrize("kernel,m,k,i,dtype", [
+    (*case, dtype) for case in DH_IN_CASES
+    for dtype in (TMA_DTYPES if case[0] == "backward_tma" else KERNEL_DTYPES)])
+def test_backward_dh_in_joins_dh_before_the_derivative(kernel, m, k, i, dtype):
     """dP = d/dP of sum((dY @ Wd + dh_in) * h): the gradient a LoRA adapter on down_proj sends back
     through h, against float64 autograd; dh_in non-contiguous."""
     dy = torch.randn(m, k, device=DEVICE).to(dtype)
@@ -94,7 +140,8 @@ def test_backward_dh_in_joins_dh_before_the_derivative(m, k, i, dtype):
     preact = torch.randn(m, 2 * i, device=DEVICE).to(dtype)
     dh_in = torch.randn(i, m, device=DEVICE).to(dtype).t()
     dpreact, h = _nan((m, 2 * i), dy), _nan((m, i), dy)
-    gated_backward(dy, wd, preact, "silu", dpreact_out=dpreact, h_out=h, dh_in=dh_in)
+    gated_backward(dy, wd, preact, "silu", dpreact_out=dpreact, h_out=h, dh_in=dh_in,
+                   config=None if CUDA else SMALL_BWD[kernel], kernel=kernel)
     gate, up = (t.requires_grad_() for t in split_interleaved(preact.double(), -1))
     h64 = torch.nn.functional.silu(gate) * up
     dh64 = dy.double() @ wd.double() + dh_in.double()
@@ -108,19 +155,35 @@ def test_backward_dh_in_joins_dh_before_the_derivative(m, k, i, dtype):
     assert rel_err(h, h64) <= 2 * rel_err(torch.nn.functional.silu(g16) * u16, h64) + EPS[dtype]
 
 
-def test_backward_dh_in_runs_only_on_the_pointer_kernel():
+def test_backward_dh_in_of_the_wrong_shape_is_refused():
     dtype = KERNEL_DTYPES[-1]
     dy, wd = torch.randn(4, 32, device=DEVICE).to(dtype), torch.randn(32, 16, device=DEVICE).to(dtype)
     preact, dh_in = torch.randn(4, 32, device=DEVICE).to(dtype), torch.randn(4, 16, device=DEVICE).to(dtype)
-    with pytest.raises(ValueError, match="backward_pointer kernel only"):
-        gated_backward(dy, wd, preact, dh_in=dh_in, kernel="backward_tma")
     with pytest.raises(ValueError, match="dh_in must be"):
         gated_backward(dy, wd, preact, dh_in=dh_in[:3])
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 through the kernels needs the GPU (the interpreter's bf16 dot is wrong)")
-def test_low_rank_segment_bf16_on_the_gpu_matches_float64():
-    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(4096, 4096, 1024, 64, torch.bfloat16, False)
+@pytest.mark.parametrize("r", [64, 5])
+def test_low_rank_segment_bf16_on_the_gpu_matches_float64(r):
+    """Prefill through the rules: r = 64 takes the TMA kernel, r = 5 (unaligned rows) the pointer kernel."""
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(4096, 4096, 1024, r, torch.bfloat16, False)
     out = _nan((4096, 1024), x)
     gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, "silu", out=out)
     check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), None, None)
+
+
+@pytest.mark.skipif(not CUDA, reason="bf16 through the kernels needs the GPU (the interpreter's bf16 dot is wrong)")
+def test_backward_dh_in_bf16_on_the_gpu_through_the_rules():
+    """Prefill through the rules (the TMA backward at M = 4096), against float64 autograd."""
+    m, k, i = 4096, 1024, 2048
+    dy = torch.randn(m, k, device=DEVICE).bfloat16()
+    wd = (torch.randn(k, i, device=DEVICE) / i**0.5).bfloat16()
+    preact, dh_in = torch.randn(m, 2 * i, device=DEVICE).bfloat16(), torch.randn(m, i, device=DEVICE).bfloat16()
+    dpreact, _ = gated_backward(dy, wd, preact, "silu", dh_in=dh_in)
+    gate, up = (t.requires_grad_() for t in split_interleaved(preact.double(), -1))
+    ref = torch.cat(torch.autograd.grad(torch.nn.functional.silu(gate) * up, (gate, up),
+                                        dy.double() @ wd.double() + dh_in.double()), -1)
+    g16, u16 = (t.detach().requires_grad_() for t in split_interleaved(preact, -1))
+    same = torch.cat(torch.autograd.grad(torch.nn.functional.silu(g16) * u16, (g16, u16), dy @ wd + dh_in), -1)
+    assert rel_err(torch.cat(split_interleaved(dpreact, -1), -1), ref) <= 2 * rel_err(same, ref) + EPS[torch.bfloat16]
