@@ -90,8 +90,9 @@ def test_training_matches_plain_peft(family, order, backend):
     assert torch.equal(fused.gate_up_interleaved, packed_before), "the frozen packed weight changed"
 
 
+@pytest.mark.parametrize("backend", [b for b in train_backends() if b != "torch"])
 @pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_lora_trains_through_the_fused_op(family, monkeypatch):
+def test_lora_trains_through_the_fused_op(family, backend, monkeypatch):
     """With the Triton backend, adapters on gate/up and on down_proj train inside the fused op:
     the forward runs the low-rank segment storing P, and the backward GEMM takes down_proj's
     adapter gradient as dh_in; no fallback path runs."""
@@ -106,7 +107,7 @@ def test_lora_trains_through_the_fused_op(family, monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(dispatch_training, name, spy)
-    _, _, ours = peft_pair(family, "patch_then_peft", "triton")
+    _, _, ours = peft_pair(family, "patch_then_peft", backend)
     ours.train()
     ids = token_batches(1, 2, 8, 128)[0]
     ours(input_ids=ids, labels=ids).loss.backward()
