@@ -208,6 +208,8 @@ def run(args: argparse.Namespace) -> dict:
                             tokens[item, mode] = out[0, args.prompt:].tolist()
                     else:
                         times[item][mode].append(seconds)
+                        if rank == 0:  # in the log too, should the run end before results.json
+                            print(f"[bench_tp] round {r} {mode:7s} {item[0]} {item[1]}: {seconds:.4f} s", flush=True)
                     del out
             if rank == 0:
                 print(f"[bench_tp] round {r} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
@@ -247,9 +249,7 @@ def run(args: argparse.Namespace) -> dict:
                       "top1_agree": (logits["patched"].argmax(-1) == logits["eager"].argmax(-1)).float().mean().item()},
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    dist.barrier()
-    dist.destroy_process_group()
-    return data if rank == 0 else {}
+    return data if rank == 0 else {}  # the process group ends in _main, after rank 0 has written
 
 
 def render_markdown(data: dict) -> str:
@@ -288,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    return render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
+    import torch.distributed as dist
+
+    try:
+        return render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
 
 if __name__ == "__main__":
     sys.exit(main())
