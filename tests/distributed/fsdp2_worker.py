@@ -15,7 +15,13 @@ rank loads the checkpoint (fp32), patches it, shards every decoder layer and the
   that; the trained full state dict loaded into another fresh one with
   ``set_model_state_dict(full_state_dict=True)``, and its full state dict.
 
-Writes OUT/rank{r}.pt: {backend: record or {"exception": traceback, "type": name}}.
+With CASE's "lora" (a `peft.LoraConfig`'s keyword arguments), each backend also runs
+"lora:<backend>": the checkpoint patched, PEFT LoRA applied through `swiglu_patch.lora.register`
+(adapters drawn after `torch.manual_seed(0)`), then sharded the same way and trained with AdamW
+on the adapters: the global losses, the adapters' full gradients after the first backward, and
+the adapters and the frozen packed weight after training.
+
+Writes OUT/rank{r}.pt: {backend or "lora:<backend>": record or {"exception": traceback, "type": name}}.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
 from swiglu_patch import apply_fused_mlp  # noqa: E402
+from swiglu_patch.lora import register  # noqa: E402
 
 FULL = StateDictOptions(full_state_dict=True)  # on every rank: set_model_state_dict needs it everywhere
 
@@ -113,6 +122,36 @@ def run(case: dict, backend: str, out: Path) -> dict:
     return rec
 
 
+def run_lora(case: dict, backend: str) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
+    apply_fused_mlp(model, backend=backend)
+    torch.manual_seed(0)
+    model = get_peft_model(model, register(LoraConfig(**case["lora"])))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=case["lr"])
+    rec = {"losses": []}
+    for step, batch in enumerate(case["batches"]):
+        ids = torch.tensor(batch).chunk(world)[rank]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if step == 0:
+            rec["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        rec["losses"].append(total.item() / world)
+    rec["trained"] = plain({n: p for n, p in model.named_parameters() if p.requires_grad})
+    mlp = model.base_model.model.model.layers[0].mlp
+    rec["packed"] = plain({"packed": mlp.gate_up_interleaved})["packed"]
+    return rec
+
+
 def main() -> None:
     case_file, out = Path(sys.argv[1]), Path(sys.argv[2])
     dist.init_process_group("gloo")
@@ -124,6 +163,12 @@ def main() -> None:
         except Exception as e:  # recorded for the test to judge; the other backends still run
             results[backend] = {"exception": traceback.format_exc(), "type": type(e).__name__}
         dist.barrier()
+        if "lora" in case:
+            try:
+                results[f"lora:{backend}"] = run_lora(case, backend)
+            except Exception as e:  # recorded, as above
+                results[f"lora:{backend}"] = {"exception": traceback.format_exc(), "type": type(e).__name__}
+            dist.barrier()
     torch.save(results, out / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()
 

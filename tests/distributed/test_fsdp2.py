@@ -5,7 +5,9 @@ so the packed weight's 144 rows split 72 per rank, through a partial block of 16
 weight shards along dim 0 and reshards after forward; two AdamW steps on half a batch per rank
 give the losses and first gradients of the unsharded run on the whole batch (fp32, 1e-5), patched
 and unpatched; the full and the sharded state dicts speak the original checkpoint's keys, and
-both load back (DCP save/load, and `set_model_state_dict` of the full one).
+both load back (DCP save/load, and `set_model_state_dict` of the full one). PEFT LoRA on the
+patched model, sharded the same way, trains its adapters as plain PEFT on the unsharded,
+unpatched model does (losses, first gradients, trained adapters; the packed weight unchanged).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from helpers import rel_err, tiny_model
 from training_stack.training_common import token_batches, train, train_backends
+from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from swiglu_patch import apply_fused_mlp
@@ -35,6 +38,10 @@ BATCHES = [b.tolist() for b in token_batches(2, 4, 12, 128)]  # two steps of [4,
 LAUNCH_FAILURES = ("RendezvousConnectionError", "RendezvousTimeoutError", "EADDRINUSE", "Address already in use",
                    "Connection refused", "gloo is not available", "No module named torch.distributed.run")
 BACKENDS = train_backends()
+# adapters on attention and on every MLP projection; random B (init_lora_weights=False) so the
+# first step's gradients of A are not zero; no dropout: each rank draws its own masks
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+            target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +58,7 @@ def ranks(checkpoint, tmp_path_factory) -> list[dict]:
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the FSDP2 tests need it")
     out = tmp_path_factory.mktemp("fsdp2")
     backends = [b if isinstance(b, str) else b.values[0] for b in BACKENDS]
-    (out / "case.json").write_text(json.dumps(dict(path=str(checkpoint), backends=backends, batches=BATCHES, lr=LR)))
+    (out / "case.json").write_text(json.dumps(dict(path=str(checkpoint), backends=backends, batches=BATCHES, lr=LR, lora=LORA)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent)] + sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
@@ -142,3 +149,33 @@ def test_state_dicts_speak_the_original_keys_and_load_back(ranks, checkpoint, ba
     for loaded in ("from_dcp", "from_full"):
         assert recs[0][loaded].keys() == full.keys()
         assert all(torch.equal(recs[0][loaded][k], full[k]) for k in full), f"{loaded} differs from what was saved"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lora_under_fsdp2_trains_as_plain_peft_unsharded(ranks, checkpoint, backend):
+    recs = recorded(ranks, f"lora:{backend}")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    torch.manual_seed(0)
+    ref = get_peft_model(model, LoraConfig(**LORA))
+    grads = {}
+
+    class FirstGrads(torch.optim.AdamW):
+        def step(self, *a, **k):
+            if not grads:
+                grads.update({n: p.grad.clone() for n, p in ref.named_parameters() if p.requires_grad})
+            return super().step(*a, **k)
+
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    losses = train(ref, [torch.tensor(b) for b in BATCHES], optimizer=FirstGrads(trainable, lr=LR))
+    for rec in recs:
+        assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rec["losses"], losses)), (rec["losses"], losses)
+    ours = recs[0]
+    assert ours["grads"].keys() == grads.keys() and any("mlp.gate_proj.lora_A" in k for k in grads)
+    for k in grads:
+        assert rel_err(ours["grads"][k], grads[k]) < 1e-5, k
+    trained = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
+    for k in trained:
+        assert rel_err(ours["trained"][k], trained[k]) < 1e-4, k
+    base = ref.base_model.model.model.layers[0].mlp
+    packed = interleave_gate_up(base.gate_proj.base_layer.weight.detach(), base.up_proj.base_layer.weight.detach())
+    assert torch.equal(ours["packed"], packed), "the frozen packed weight changed"
