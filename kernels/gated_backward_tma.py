@@ -124,7 +124,8 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
 def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):
     """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
     running `config.programs_per_sm` persistent programs per SM, writing dP (may be preact itself)
-    and h; the tensors passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without. config.block_n must be a multiple of 2 * GATE_UP_BLOCK
+    and h; the tensors passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without.
+    config.block_n must be a multiple of 2 * GATE_UP_BLOCK
     (each epilogue half holds whole gate/up blocks). The device-built descriptors need Triton's
     scratch allocator set (`dispatch` sets it)."""
     if config.block_n % (2 * GATE_UP_BLOCK):

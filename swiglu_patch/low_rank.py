@@ -21,7 +21,7 @@ Adapters stack along K: with a gate adapter of rank r_g and an up adapter of ran
 `gated_linear_low_rank_reference` is that formula on the concatenated operands (the spec);
 `gated_linear_low_rank` computes the same without copying W: P = x @ W^T + x_lr @ b_lr^T + bias
 with the torch backend (differentiable: A and B get their gradients through x_lr and b_lr), and
-the pointer kernel's low-rank segment with the Triton backend (the registered op
+the kernels' low-rank segment with the Triton backend (TMA or pointer kernel; the registered op
 ``swiglu_patch::gated_gemm_low_rank``; inference: training runs the whole MLP through
 `swiglu_patch.training.gated_mlp_interleaved`, whose op takes x_lr and b_lr the same way).
 
