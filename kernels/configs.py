@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The low-rank (LoRA) segment's step along R, in the pointer and TMA kernels: tl.dot's least K.
+LOW_RANK_BLOCK = 16
+
 
 @dataclass(frozen=True)
 class GatedGemmConfig:

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig, ceil_div
+from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -133,9 +133,6 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: to
     return True
 
 
-BLOCK_SIZE_R = 16  # the low-rank segment's step: tl.dot's least K
-
-
 def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
                   store_preact: bool = False, low_rank: bool = False):
     """A launcher `(x [M, K], weight [2*I, K], bias [2*I] contiguous or None, out [M, I], preact,
@@ -151,7 +148,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
     kernel = FastLaunch(_gated_gemm_fwd_kernel, dict(
         HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, **epilogue, INPUT_PRECISION=precision,
         GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
-        BLOCK_SIZE_R=BLOCK_SIZE_R, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_SIZE_R=LOW_RANK_BLOCK, num_warps=config.num_warps, num_stages=config.num_stages,
     ))
     bm, bn = config.block_m, config.block_n
 

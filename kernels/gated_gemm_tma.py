@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import GatedGemmConfig, ceil_div
+from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
 from .device import num_sms, tma_aligned, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
@@ -195,9 +195,6 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: to
     return tma_operands_ok(x, weight, out) and all(t is None or tma_aligned(t) for t in (preact, x_lr, b_lr))
 
 
-BLOCK_SIZE_R = 16  # the low-rank segment's step: wgmma's K for 16-bit operands
-
-
 def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[int, int]:
     """(whole tiles, S): the T tiles of a last partial wave run as S narrower tiles each, for the
     largest S in (4, 2) with S * T <= programs and block_n / S >= SPLIT_TAIL_MIN_N, where
@@ -218,7 +215,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
     `can_run`. With store_preact it also writes preact [M, 2*I] (must be given); without, preact
     is None. With low_rank, x_lr [M, R] and b_lr [2*I, R] must be given; without, they are None."""
     fixed = dict(
-        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, BLOCK_SIZE_R=BLOCK_SIZE_R,
+        HAS_BIAS=has_bias, STORE_PREACT=store_preact, HAS_LOW_RANK=low_rank, BLOCK_SIZE_R=LOW_RANK_BLOCK,
         **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
     )

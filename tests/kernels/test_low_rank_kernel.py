@@ -41,31 +41,29 @@ def _low_rank_case(m, k, i, r, dtype, bias, strided=False):
     return x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize("m,k,i,r", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_low_rank_segment_matches_float64(m, k, i, r, dtype, bias):
-    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, bias)
-    w, b = packed_of(gate, up), packed_of(bg, bu)
-    out = _nan((m, i), x)
-    gated_gemm_low_rank(x, w, x_lr, b_lr, "silu", b, out=out)
-    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
+def _check_preact(preact, x, w, x_lr, b_lr, b):
+    """P = x @ W^T + x_lr @ b_lr^T + b against float64, within 2x of PyTorch's own rounding."""
+    ref = x.double() @ w.double().t() + x_lr.double() @ b_lr.double().t() + b.double()
+    same = x @ w.t() + x_lr @ b_lr.t() + b
+    assert rel_err(preact, ref) <= 2 * rel_err(same, ref) + EPS[x.dtype]
 
 
-@pytest.mark.parametrize("dtype", TMA_DTYPES)
-@pytest.mark.parametrize("m,k,i,r", TMA_SHAPES)
+# (kernel, m, k, i, r, dtype): "auto" is the pointer kernel on CPU (and at these M on the GPU)
+SEGMENT_CASES = ([("auto", *shape, dtype) for shape in SHAPES for dtype in KERNEL_DTYPES]
+                 + [("tma", *shape, dtype) for shape in TMA_SHAPES for dtype in TMA_DTYPES])
+
+
+@pytest.mark.parametrize("kernel,m,k,i,r,dtype", SEGMENT_CASES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_tma_low_rank_segment_matches_float64(m, k, i, r, dtype, bias):
-    """The TMA kernel's R loop, with P stored: out and P against float64."""
+def test_low_rank_segment_matches_float64(kernel, m, k, i, r, dtype, bias):
+    """out and the stored P of the segment, against float64."""
     x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, bias)
     w, b = packed_of(gate, up), packed_of(bg, bu)
     out, preact = _nan((m, i), x), _nan((m, 2 * i), x)
     gated_gemm_low_rank(x, w, x_lr, b_lr, "silu", b, store_preact=True, out=out, preact_out=preact,
-                        config=TMA_CONFIG, kernel="tma")
+                        config=TMA_CONFIG if kernel == "tma" else None, kernel=kernel)
     check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
-    ref = x.double() @ w.double().t() + x_lr.double() @ b_lr.double().t() + (b.double() if bias else 0)
-    same = x @ w.t() + x_lr @ b_lr.t() + (b if bias else 0)
-    assert rel_err(preact, ref) <= 2 * rel_err(same, ref) + EPS[dtype]
+    _check_preact(preact, x, w, x_lr, b_lr, b if bias else torch.zeros_like(w[:, 0]))
 
 
 @pytest.mark.parametrize("m", [45, 300])
@@ -97,9 +95,7 @@ def test_low_rank_segment_strided_operands_and_stored_preact(act):
     out, preact = _nan((m, i), x), _nan((m, 2 * i), x)
     gated_gemm_low_rank(x, w, x_lr, b_lr, act, b, store_preact=True, out=out, preact_out=preact)
     check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu, act)
-    ref = x.double() @ w.double().t() + x_lr.double() @ b_lr.double().t() + b.double()
-    same = (x @ w.t() + x_lr @ b_lr.t() + b)
-    assert rel_err(preact, ref) <= 2 * rel_err(same, ref) + EPS[dtype]
+    _check_preact(preact, x, w, x_lr, b_lr, b)
 
 
 def test_low_rank_segment_large_magnitude_inputs_stay_finite():
