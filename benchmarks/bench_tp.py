@@ -290,12 +290,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     import torch.distributed as dist
 
-    try:
-        return render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+    code = render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
+    if dist.is_available() and dist.is_initialized():  # every rank got here: rank 0 has written
+        dist.barrier()
+        dist.destroy_process_group()
+    return code
 
 if __name__ == "__main__":
     sys.exit(main())
