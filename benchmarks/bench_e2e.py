@@ -31,7 +31,8 @@ ratio. The parts (`--parts`, default all):
   forward marked (`harness/step_profile.py`; with the dynamic cache only: hooks would change a
   compiled forward): per decode step, wall time, all GPU kernel time, the MLPs' GPU time, the
   host time inside the MLPs, and how busy the GPU was: where a step's time goes, and what the
-  MLP is of it.
+  MLP is of it. On CUDA also GPU time by kernel family, for both caches, and (with the
+  `generate` part in the same run) the most a step can gain from the GPU time the patch saves.
 - agreement (always): patched against eager logits on a probe prompt, and how many leading greedy
   tokens the two `generate` runs share.
 
@@ -230,6 +231,13 @@ def measure_host(models: dict, args, device, dims, sync) -> list[dict]:
     return rows
 
 
+def _per_step(figures: dict, steps: int) -> dict:
+    """Every millisecond figure of a profiled call (keys ending `_ms`, numbers or {name: ms}) / steps."""
+    def per(v):
+        return {k: x / steps for k, x in v.items()} if isinstance(v, dict) else v / steps
+    return {k: (per(v) if k.endswith("_ms") and v is not None else v) for k, v in figures.items()}
+
+
 def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
     """One profiled `generate` call per (cache, batch, mode), after the untimed calls of `generate`
     (or one here) compiled and warmed it; figures per decode step (/ new tokens)."""
@@ -242,7 +250,7 @@ def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator
             call(model)  # warm (a static cache compiles on its first call)
             marked = mlps(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
             got = profile_call(lambda model=model: call(model), marked, sync, device.type == "cuda")
-            row[mode] = {k: (v / new if k.endswith("_ms") and v is not None else v) for k, v in got.items()}
+            row[mode] = _per_step(got, new)
         rows.append(row)
         e, p = row["eager"], row["patched"]
         print(f"[bench_e2e] profile {cache:7s} batch {batch:3d}: ms/step eager {e['wall_ms']:.2f} "

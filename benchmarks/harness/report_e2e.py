@@ -131,7 +131,41 @@ def _profile(data: dict) -> list[str]:
             lines.append(f"| {r['cache']} | {r['batch']} | {mode} | {p['wall_ms']:.2f} | {_f(gpu, '.2f')} | "
                          f"{_f(mlp_gpu, '.2f')} ({_f(gpu_share, '.0%')}) | {_f(mlp_host, '.2f')} "
                          f"({_f(wall_share, '.0%')}) | {_f(p['gpu_busy'], '.2f')} |")
-    return lines
+    return lines + _families(data)
+
+
+def step_bound(step_ms: float, gpu_saved_ms: float) -> float:
+    """The highest patched / eager speedup of a step of step_ms (eager, unprofiled) when the patch
+    takes gpu_saved_ms of GPU time off it and none of its host time (a step bound by GPU work
+    would shorten by all of it; any host wait the GPU idles through is left as it is)."""
+    return step_ms / (step_ms - gpu_saved_ms)
+
+
+def _families(data: dict) -> list[str]:
+    rows = [r for r in data["profile"] if r["eager"].get("family_gpu_ms")]
+    if not rows:
+        return []
+    families = list(rows[0]["eager"]["family_gpu_ms"])
+    step = {(g["cache"], g["batch"]): g["eager"]["median_s"] * 1e3 / g["new_tokens"] for g in data.get("generate", [])}
+    lines = ["", "GPU time per decode step by kernel family (fused: ours; gemm: cuBLAS/CUTLASS; attention; triton: "
+             "Inductor's and other Triton kernels). GPU saved = eager's GPU ms - patched's. Bound: the speedup "
+             "of eager's unprofiled `generate` step (this run's `generate` part) if the patch took the saved GPU "
+             "time off it and nothing else: what the step can gain at most when its host time does not shrink.", "",
+             "| cache | batch | mode | " + " | ".join(f"{f} ms" for f in families) + " | host gap ms (wall - GPU) |",
+             "|---|---|---|" + "---|" * (len(families) + 1)]
+    bounds = []
+    for r in rows:
+        for mode in ("eager", "patched"):
+            p = r[mode]
+            lines.append(f"| {r['cache']} | {r['batch']} | {mode} | "
+                         + " | ".join(f"{p['family_gpu_ms'][f]:.3f}" for f in families)
+                         + f" | {p['wall_ms'] - p['gpu_ms']:.2f} |")
+        saved = r["eager"]["gpu_ms"] - r["patched"]["gpu_ms"]
+        key = (r["cache"], r["batch"])
+        bound = f"{step_bound(step[key], saved):.3f}x" if key in step else "–"
+        bounds.append(f"| {r['cache']} | {r['batch']} | {saved * 1e3:.0f} | {_f(step.get(key), '.3f')} | {bound} |")
+    return lines + ["", "| cache | batch | GPU saved µs per step | eager step ms (`generate`) | bound |",
+                    "|---|---|---|---|---|"] + bounds
 
 
 def _agreement(data: dict) -> list[str]:

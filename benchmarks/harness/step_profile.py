@@ -11,6 +11,12 @@ pre-hook opens it, a forward hook closes it), so the profile splits both clocks:
   holds them;
 - host: CPU time inside the MLP ranges against the call's wall time.
 
+Every kernel's GPU time is also summed by family (`kernel_family`: our fused kernels, cuBLAS /
+CUTLASS GEMMs, attention, Triton kernels such as Inductor's, the rest). That split is what a
+compiled forward (static cache) can show, where no MLP can be marked: the GPU time the patch
+saves is the difference of the two modes' totals, and the host gap (wall - GPU) is what it
+cannot shorten.
+
 The profiler adds host time to every op, so the wall time here is longer than an unprofiled
 call's: the shares say where the time goes, the `generate` part says how fast it is. GPU busy =
 kernel time / wall time: far below 1, the step waits on the host (Python, launches).
@@ -27,6 +33,25 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 MLP_RANGE = "mlp"
 FUSED_KERNEL_PREFIX = "_gated"  # the names of swiglu_patch's Triton kernels
+KERNEL_FAMILIES = ("fused", "gemm", "attention", "triton", "other")
+_GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "gemv")
+_ATTENTION_MARKS = ("flash", "fmha", "attention", "sdpa")
+
+
+def kernel_family(name: str) -> str:
+    """The family of a kernel by its name, one of KERNEL_FAMILIES. Ours are checked first (a name
+    such as `_gated_gemv_kernel` is ours, not a GEMM library's), attention before GEMMs (CUTLASS
+    builds attention kernels too)."""
+    if name.startswith(FUSED_KERNEL_PREFIX):
+        return "fused"
+    low = name.lower()
+    if any(m in low for m in _ATTENTION_MARKS):
+        return "attention"
+    if any(m in low for m in _GEMM_MARKS):
+        return "gemm"
+    if low.startswith("triton"):
+        return "triton"
+    return "other"
 
 
 def _linked_kernels(event) -> list:
@@ -64,8 +89,8 @@ def profile_call(fn: Callable[[], object], mlp_modules: list[torch.nn.Module], s
 
     Returns:
         {"wall_ms", "gpu_ms" (all kernels), "mlp_gpu_ms", "mlp_host_ms" (CPU time inside the MLP
-        ranges), "gpu_busy" (gpu_ms / wall_ms), "mlp_calls"}; GPU figures None on CPU, MLP
-        figures None with no module marked.
+        ranges), "gpu_busy" (gpu_ms / wall_ms), "mlp_calls", "family_gpu_ms" ({family: ms} over
+        KERNEL_FAMILIES)}; GPU figures None on CPU, MLP figures None with no module marked.
     """
     marks = _MarkedMLPs(mlp_modules)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -86,6 +111,9 @@ def profile_call(fn: Callable[[], object], mlp_modules: list[torch.nn.Module], s
     mlp_gpu_us = sum(e.device_time_total for e in ranges)
     if not any(k.name.startswith(FUSED_KERNEL_PREFIX) for r in ranges for k in _linked_kernels(r)):
         mlp_gpu_us += sum(e.time_range.elapsed_us() for e in kernels if e.name.startswith(FUSED_KERNEL_PREFIX))
+    families = dict.fromkeys(KERNEL_FAMILIES, 0.0)
+    for k in kernels:
+        families[kernel_family(k.name)] += k.time_range.elapsed_us() / 1e3
     wall_ms = wall * 1e3
     marked = bool(mlp_modules)
     return {
@@ -95,4 +123,5 @@ def profile_call(fn: Callable[[], object], mlp_modules: list[torch.nn.Module], s
         "mlp_host_ms": sum(e.cpu_time_total for e in ranges) / 1e3 if marked else None,
         "gpu_busy": (gpu_us / 1e3) / wall_ms if cuda else None,
         "mlp_calls": len(ranges),
+        "family_gpu_ms": families if cuda else None,
     }

@@ -93,3 +93,47 @@ def test_render_refuses_another_schema(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench_e2e.main(["--render", str(tmp_path / "old.json")])
     assert e.value.code == 2 and "schema 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, family", [
+    ("_gated_gemv_kernel", "fused"),  # ours, although it names a GEMV
+    ("_gated_gemm_tma_kernel", "fused"),
+    ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>", "gemm"),
+    ("void pytorch_flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),  # CUTLASS-built, but attention
+    ("triton_poi_fused_mul_silu_0", "triton"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1", "triton"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "other"),
+])
+def test_kernel_family_by_name(name, family):
+    from benchmarks.harness.step_profile import kernel_family
+
+    assert kernel_family(name) == family
+
+
+def test_per_step_divides_every_millisecond_figure():
+    got = bench_e2e._per_step({"wall_ms": 30.0, "gpu_ms": None, "family_gpu_ms": {"gemm": 6.0, "fused": 3.0},
+                               "gpu_busy": 0.5, "mlp_calls": 9}, 3)
+    assert got == {"wall_ms": 10.0, "gpu_ms": None, "family_gpu_ms": {"gemm": 2.0, "fused": 1.0},
+                   "gpu_busy": 0.5, "mlp_calls": 9}
+
+
+def test_families_table_and_the_step_bound():
+    from benchmarks.harness.report_e2e import _families, step_bound
+
+    assert step_bound(3.0, 0.06) == pytest.approx(3.0 / 2.94)
+    fam = {"eager": {"fused": 0.0, "gemm": 2.0, "attention": 0.3, "triton": 0.2, "other": 0.1},
+           "patched": {"fused": 0.5, "gemm": 1.44, "attention": 0.3, "triton": 0.1, "other": 0.1}}
+    profile = [{
+        "cache": "static", "batch": 8,
+        **{m: {"wall_ms": 3.2 if m == "eager" else 3.1, "gpu_ms": sum(f.values()), "family_gpu_ms": f}
+           for m, f in fam.items()}}]
+    generate = [{"cache": "static", "batch": 8, "new_tokens": 100, "eager": {"median_s": 0.3}}]
+    md = "\n".join(_families({"profile": profile, "generate": generate}))
+    assert "| static | 8 | eager | 0.000 | 2.000 | 0.300 | 0.200 | 0.100 | 0.60 |" in md
+    assert "| static | 8 | patched | 0.500 | 1.440 | 0.300 | 0.100 | 0.100 | 0.66 |" in md
+    saved = 2.6 - 2.44  # ms per step
+    assert f"| static | 8 | 160 | 3.000 | {3.0 / (3.0 - saved):.3f}x |" in md
+    assert _families({"profile": [{"cache": "dynamic", "batch": 1, "eager": {"family_gpu_ms": None}}]}) == []
