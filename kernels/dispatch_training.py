@@ -24,7 +24,7 @@ from .dispatch import (
     mismatch, resolve_approx_tanh,
 )
 from .epilogue import GatedEpilogue
-from .rules import BACKWARD_RULES, PREACT_KERNELS
+from .rules import BACKWARD_RULES, DEFAULT_CONFIGS, LOW_RANK_KERNELS, PREACT_KERNELS
 
 
 _BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma": gated_backward_tma}
@@ -107,22 +107,30 @@ def gated_gemm_with_preact(
     return out, preact_out
 
 
+_CAN_RUN_NEEDS = {
+    "tma": "bf16/fp16 tensors with unit inner strides, 16-byte-aligned rows and I % 16 == 0",
+    "gemv": "M == 1, I % 16 == 0 and no stored pre-activation",
+}
+
+
 def _forced_forward(fn: str, kernel: str, config: GatedGemmConfig | None, x: torch.Tensor, weight: torch.Tensor,
-                    *outputs_and_low_rank: torch.Tensor | None) -> tuple[object, GatedGemmConfig]:
-    """(kernel module, config fitted to x's dtype) for a call that names its forward kernel:
-    "pointer" or "tma"; config None takes that kernel's Hopper rule for the call's shape."""
-    if kernel not in PREACT_KERNELS:
-        raise ValueError(f"{fn}: kernel must be 'auto' or one of {PREACT_KERNELS} (the kernels that store the "
-                         f"pre-activation), got {kernel!r}")
+                    *outputs_and_low_rank: torch.Tensor | None,
+                    kernels: tuple[str, ...] = PREACT_KERNELS) -> tuple[object, GatedGemmConfig]:
+    """(kernel module, config fitted to x's dtype) for a call that names its forward kernel, one of
+    `kernels`; config None takes that kernel's rule for the call's shape (the GEMV's default
+    config where no rule has one)."""
+    if kernel not in kernels:
+        what = "the kernels that store the pre-activation" if kernels == PREACT_KERNELS else "those with the segment"
+        raise ValueError(f"{fn}: kernel must be 'auto' or one of {kernels} ({what}), got {kernel!r}")
     module = _MODULES[kernel]
     if not module.can_run(x, weight, *outputs_and_low_rank):
-        raise ValueError(f"{fn}: kernel='tma' needs bf16/fp16 tensors with unit inner strides, 16-byte-aligned "
-                         f"rows and I % 16 == 0; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)}; "
-                         "use kernel='auto'")
+        raise ValueError(f"{fn}: kernel={kernel!r} needs {_CAN_RUN_NEEDS[kernel]}; got x {tuple(x.shape)} {x.dtype}, "
+                         f"weight {tuple(weight.shape)}; use kernel='auto'")
     if config is None:
         m_rule = max(x.shape[0], 65) if kernel == "tma" else x.shape[0]
         key = dataclasses.replace(_call_key(x, weight.shape[0] // 2, False, m_rule), capability=(9, 0), gpu="")
-        config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
+        config = next((r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus),
+                      DEFAULT_CONFIGS.get(kernel))
     return module, _fit_dtype(config, x.dtype)
 
 
@@ -288,9 +296,10 @@ def gated_gemm_low_rank(
 
         P = x @ W^T + x_lr @ b_lr^T + b,   out = epilogue(gate(P), up(P))
 
-    Runs the low-rank segment of the first rule of `rules.RULES` whose kernel has one ("tma" or
-    "pointer", `rules.PREACT_KERNELS`) and can run the call: the TMA kernel needs x_lr and b_lr
-    TMA-aligned too (r % 8 == 0 for 16-bit contiguous operands).
+    Runs the low-rank segment of the first rule of `rules.RULES` whose kernel has one ("gemv",
+    "pointer" or "tma", `rules.LOW_RANK_KERNELS`; the GEMV only without store_preact) and can
+    run the call: the TMA kernel needs x_lr and b_lr TMA-aligned too (r % 8 == 0 for 16-bit
+    contiguous operands).
 
     Args:
         x: [M, K]; weight: [2*I, K] interleaved; bias: [2*I] or None (as `gated_gemm`).
@@ -300,7 +309,7 @@ def gated_gemm_low_rank(
         store_preact: also return P [M, 2*I] (x's dtype, interleaved, rounded once), for the backward.
         out, preact_out: optional [M, I] and [M, 2*I] tensors to write (x's dtype, any strides);
             allocated if None (preact_out only with store_preact).
-        config, kernel: as `gated_gemm_with_preact`.
+        config, kernel: as `gated_gemm_with_preact`; kernel may also be "gemv" (M = 1, no store_preact).
 
     Returns:
         (out [M, I], P or None) in x's dtype.
@@ -328,7 +337,8 @@ def gated_gemm_low_rank(
     approx = resolve_approx_tanh(x, approx_tanh, fn)
     if kernel != "auto" or config is not None:
         module, config = _forced_forward(fn, "pointer" if kernel == "auto" else kernel, config, x, weight, out,
-                                         preact, x_lr, b_lr)
+                                         preact, x_lr, b_lr,
+                                         kernels=PREACT_KERNELS if store_preact else LOW_RANK_KERNELS)
         epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
         module.make_launcher(config, epi, bias is not None, x.dtype, store_preact, low_rank=True)(
             x, weight, bias, out, preact, x_lr, b_lr)
@@ -343,7 +353,7 @@ def gated_gemm_low_rank(
         plan = _LOW_RANK_PLANS[cache_key] = tuple(
             (_MODULES[r.kernel].can_run, _MODULES[r.kernel].make_launcher(
                 _fit_dtype(r.config, key.dtype), epi, bias is not None, key.dtype, store_preact, low_rank=True))
-            for _, r in candidates(key) if r.kernel in PREACT_KERNELS)
+            for _, r in candidates(key) if r.kernel in (PREACT_KERNELS if store_preact else LOW_RANK_KERNELS))
     for can_run, launch in plan:
         if can_run(x, weight, out, preact, x_lr, b_lr):
             launch(x, weight, bias, out, preact, x_lr, b_lr)

@@ -17,6 +17,11 @@ like a pure read of the weight, the hardware keeps enough bytes in flight by
 occupancy and balances the SMs to the end of the call with many small programs, where the
 tensor-core kernel holds one 1 MB program per SM and drains unevenly.
 
+Low-rank segment (HAS_LOW_RANK, LoRA inference: `swiglu_patch.low_rank`): the row sums also get
+x_lr @ b_lr^T, with x_lr [1, R] and b_lr [2*I, R] in the packed row layout, in BLOCK_SIZE_R
+steps after the K loop, in fp32 before the bias, as the pointer kernel adds it. No STORE_PREACT:
+training's forward takes the pointer or TMA kernel.
+
 Needs M = 1 and I % 16 == 0 (whole blocks: every real model); any dtype the pointer kernel
 takes, any strides.
 """
@@ -27,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig, ceil_div
+from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
 from .jit_common import gated_epilogue
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -35,15 +40,17 @@ from .layout import GATE_UP_BLOCK
 
 @triton.jit
 def _gated_gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    I, K,
-    stride_xk, stride_wn, stride_wk, stride_oi,
+    x_ptr, w_ptr, b_ptr, out_ptr, xl_ptr, bl_ptr,
+    I, K, R,
+    stride_xk, stride_wn, stride_wk, stride_oi, stride_xlr, stride_bln, stride_blr,
     HAS_BIAS: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     GATE_UP_BLOCK: tl.constexpr,
     BLOCKS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
+    BLOCK_SIZE_R: tl.constexpr,
 ):
     ROWS: tl.constexpr = BLOCKS * 2 * GATE_UP_BLOCK
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # packed rows of this program
@@ -60,6 +67,14 @@ def _gated_gemv_kernel(
         w_ptrs += BLOCK_SIZE_K * stride_wk
         x_ptrs += BLOCK_SIZE_K * stride_xk
     acc = tl.sum(acc2d, axis=1)  # [ROWS]
+    if HAS_LOW_RANK:  # x_lr [1, R] against these rows of b_lr [2*I, R]
+        offs_r = tl.arange(0, BLOCK_SIZE_R)
+        for r in range(0, tl.cdiv(R, BLOCK_SIZE_R)):
+            mask_lr = offs_r < R - r * BLOCK_SIZE_R
+            xl = tl.load(xl_ptr + (r * BLOCK_SIZE_R + offs_r) * stride_xlr, mask=mask_lr, other=0.0).to(tl.float32)
+            bl = tl.load(bl_ptr + rows[:, None] * stride_bln + (r * BLOCK_SIZE_R + offs_r)[None, :] * stride_blr,
+                         mask=mask_r[:, None] & mask_lr[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(bl * xl[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rows, mask=mask_r, other=0.0).to(tl.float32)
     # rows are [block, gate/up, 16]: move gate/up last and split it off
@@ -70,30 +85,45 @@ def _gated_gemv_kernel(
     tl.store(out_ptr + offs_i * stride_oi, h.to(out_ptr.dtype.element_ty), mask=offs_i < I)
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """One token, whole gate/up blocks."""
-    return x.shape[0] == 1 and (weight.shape[0] // 2) % GATE_UP_BLOCK == 0
+def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,
+            x_lr: torch.Tensor | None = None, b_lr: torch.Tensor | None = None) -> bool:
+    """One token, whole gate/up blocks, no pre-activation to store."""
+    return x.shape[0] == 1 and (weight.shape[0] // 2) % GATE_UP_BLOCK == 0 and preact is None
 
 
-def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):
-    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I]) -> out`.
+def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
+                  store_preact: bool = False, low_rank: bool = False):
+    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I], preact,
+    x_lr, b_lr) -> out`; preact is always None (no STORE_PREACT); with low_rank, x_lr [1, R] and
+    b_lr [2*I, R] (x's dtype, any strides) must be given, without they are None.
 
     config: block_n output columns per program (a multiple of 16: block_n // 16 gate/up
     blocks), block_k inputs per step, num_warps; block_m, group_m and num_stages are not used.
     """
     if config.block_n % GATE_UP_BLOCK:
         raise ValueError(f"gated_gemv: block_n {config.block_n} is not a multiple of {GATE_UP_BLOCK}")
+    if store_preact:
+        raise ValueError("gated_gemv: the GEMV does not store the pre-activation; use the pointer or TMA kernel")
     kernel = FastLaunch(_gated_gemv_kernel, dict(
-        HAS_BIAS=has_bias, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, BLOCKS=config.block_n // GATE_UP_BLOCK,
-        BLOCK_SIZE_K=config.block_k, num_warps=config.num_warps, num_stages=1,
+        HAS_BIAS=has_bias, HAS_LOW_RANK=low_rank, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK,
+        BLOCKS=config.block_n // GATE_UP_BLOCK, BLOCK_SIZE_K=config.block_k, BLOCK_SIZE_R=LOW_RANK_BLOCK,
+        num_warps=config.num_warps, num_stages=1,
     ))
     bn = config.block_n
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+               preact: torch.Tensor | None = None, x_lr: torch.Tensor | None = None,
+               b_lr: torch.Tensor | None = None) -> torch.Tensor:
         i = weight.shape[0] >> 1
         w_rows, w_cols = weight.stride()
-        kernel(ceil_div(i, bn), x.get_device(), x, weight, weight if bias is None else bias, out,
-               i, x.shape[1], x.stride()[1], w_rows, w_cols, out.stride()[1])
+        if low_rank:
+            if x_lr is None or b_lr is None:
+                raise ValueError("gated_gemv: a low-rank launcher needs x_lr and b_lr")
+            r, xl, bl, s_xlr, (s_bln, s_blr) = x_lr.shape[1], x_lr, b_lr, x_lr.stride()[1], b_lr.stride()
+        else:  # not read: HAS_LOW_RANK is off
+            r, xl, bl, s_xlr, s_bln, s_blr = 0, x, weight, 0, 0, 0
+        kernel(ceil_div(i, bn), x.get_device(), x, weight, weight if bias is None else bias, out, xl, bl,
+               i, x.shape[1], r, x.stride()[1], w_rows, w_cols, out.stride()[1], s_xlr, s_bln, s_blr)
         return out
 
     return launch

@@ -86,19 +86,34 @@ def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         TypeError: dtypes or devices differ.
     """
     _check_pair("interleave_gate_up", gate, up)
-    intermediate = gate.shape[0]
-    tail = gate.shape[1:]
-    packed = torch.empty((2 * intermediate, *tail), dtype=gate.dtype, device=gate.device)
-    full = intermediate - intermediate % GATE_UP_BLOCK  # rows in whole blocks
-    if full:
-        blocks = packed[: 2 * full].view(full // GATE_UP_BLOCK, 2, GATE_UP_BLOCK, *tail)
-        blocks[:, 0] = gate[:full].reshape(full // GATE_UP_BLOCK, GATE_UP_BLOCK, *tail)
-        blocks[:, 1] = up[:full].reshape(full // GATE_UP_BLOCK, GATE_UP_BLOCK, *tail)
-    rest = intermediate - full  # the last, partial block: rest gate rows, then rest up rows
-    if rest:
-        packed[2 * full : 2 * full + rest] = gate[full:]
-        packed[2 * full + rest :] = up[full:]
+    packed = torch.empty((2 * gate.shape[0], *gate.shape[1:]), dtype=gate.dtype, device=gate.device)
+    copy_into_interleaved(packed, gate, up)
     return packed
+
+
+def copy_into_interleaved(packed: torch.Tensor, gate: torch.Tensor | None, up: torch.Tensor | None) -> None:
+    """Copy gate and up rows into their rows of an interleaved tensor, in place (one strided copy
+    per half and per partial block; autograd records it as slice assignments).
+
+    Args:
+        packed: [2*I, ...] destination, any strides whose blocks `view` can split (a contiguous
+            tensor or a column slice of one).
+        gate, up: [I, ...] rows to write, packed's trailing shape, or None to leave that half as it is.
+    """
+    intermediate = packed.shape[0] // 2
+    tail = packed.shape[1:]
+    full = intermediate - intermediate % GATE_UP_BLOCK  # rows in whole blocks
+    rest = intermediate - full  # the last, partial block: rest gate rows, then rest up rows
+    if full:
+        blocks = packed[: 2 * full].unflatten(0, (full // GATE_UP_BLOCK, 2, GATE_UP_BLOCK))
+    for half, rows in enumerate((gate, up)):
+        if rows is None:
+            continue
+        if full:
+            blocks[:, half] = rows[:full].unflatten(0, (full // GATE_UP_BLOCK, GATE_UP_BLOCK))
+        if rest:
+            start = 2 * full + half * rest
+            packed[start : start + rest] = rows[full:]
 
 
 def split_interleaved(packed: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

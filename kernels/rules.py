@@ -164,6 +164,9 @@ DEFAULT_CONFIGS: dict[str, C] = {
 
 BACKWARD_KERNELS = ("backward_pointer", "backward_tma")
 PREACT_KERNELS = ("pointer", "tma")
+# The kernels with a low-rank segment (LoRA, `dispatch_training.gated_gemm_low_rank`); the GEMV only
+# for inference (it stores no pre-activation).
+LOW_RANK_KERNELS = ("gemv", "pointer", "tma")
 
 BACKWARD_RULES: tuple[Rule, ...] = (
     Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,

@@ -45,7 +45,6 @@ try:
 except ImportError as e:  # an optional dependency
     raise ImportError(f"swiglu_patch.lora needs PEFT ({e}): pip install peft") from e
 
-from .low_rank import pack_low_rank_b
 from .module import PackedProjection
 from .registry import KNOWN_MLP_CLASSES, STRUCTURES
 
@@ -90,11 +89,12 @@ class PackedLoraLinear(LoraLinear):
                              "variants (DoRA, aLoRA, Arrow, ...) are not supported by the fused GEMM")
         super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
 
-    def low_rank_operands(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[(x_lr [..., r], b_lr [2*I, r])] of each active, unmerged adapter, in x's dtype.
+    def low_rank_operands(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+        """[(x_lr [..., r], b, half)] of each active, unmerged adapter, in x's dtype.
 
         x_lr = scaling * lora_A(dropout(x)) (x cast to lora_A's dtype first, as PEFT does);
-        b_lr = lora_B's weight in the packed row layout (`pack_low_rank_b`).
+        b = lora_B's weight ([I, r]; [2*I, r] on a chunked gate_up_proj) and half the packed
+        rows it updates, which `low_rank.pack_low_rank_bs` lays out.
         """
         if self.disable_adapters:
             if self.merged:  # as PEFT's forward: a disabled adapter is taken out of the weight
@@ -114,7 +114,7 @@ class PackedLoraLinear(LoraLinear):
                 continue
             a, b = self.lora_A[adapter], self.lora_B[adapter]
             x_lr = a(self.lora_dropout[adapter](self._cast_input_dtype(x, a.weight.dtype))) * self.scaling[adapter]
-            out.append((x_lr.to(x.dtype), pack_low_rank_b(b.weight.to(x.dtype), half)))
+            out.append((x_lr.to(x.dtype), b.weight.to(x.dtype), half))
         return out
 
     def _packed_rows(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ from torch import nn
 
 from .functional import resolve_backend, training_dispatcher
 from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
-from .kernels.layout import interleave_gate_up, split_interleaved
+from .kernels.layout import copy_into_interleaved, split_interleaved
 from .kernels.reference import gated_linear_reference
 
 HALVES = ("gate", "up", "gate_up")
@@ -57,16 +57,41 @@ def pack_low_rank_b(b: torch.Tensor, half: str) -> torch.Tensor:
     Raises:
         ValueError: unknown half, or b not 2-D (or not of even rows for "gate_up").
     """
-    if half not in HALVES:
-        raise ValueError(f"pack_low_rank_b: half must be one of {HALVES}, got {half!r}")
-    if b.dim() != 2 or (half == "gate_up" and b.shape[0] % 2):
-        raise ValueError(f"pack_low_rank_b: b must be [I, r] (or [2*I, r] for 'gate_up'), got {tuple(b.shape)}")
-    if half == "gate_up":
-        gate, up = b.chunk(2)
-    else:
-        zeros = torch.zeros_like(b)
-        gate, up = (b, zeros) if half == "gate" else (zeros, b)
-    return interleave_gate_up(gate, up)
+    return pack_low_rank_bs([(b, half)])
+
+
+def pack_low_rank_bs(adapters: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
+    """Several adapters' B side by side along r in the packed row layout: `pack_low_rank_b` of each,
+    concatenated, built in one buffer (one fill, one strided copy per half; no temporaries).
+
+    Args:
+        adapters: [(b, half)] as `pack_low_rank_b` takes them, all of one I, dtype and device.
+
+    Returns:
+        [2*I, sum of r] tensor in their dtype and device (differentiable in every b).
+
+    Raises:
+        ValueError: an unknown half, a b not 2-D (or not of even rows for "gate_up"), or
+            adapters of different I.
+    """
+    rows = set()
+    for b, half in adapters:
+        if half not in HALVES:
+            raise ValueError(f"pack_low_rank_b: half must be one of {HALVES}, got {half!r}")
+        if b.dim() != 2 or (half == "gate_up" and b.shape[0] % 2):
+            raise ValueError(f"pack_low_rank_b: b must be [I, r] (or [2*I, r] for 'gate_up'), got {tuple(b.shape)}")
+        rows.add(b.shape[0] if half == "gate_up" else 2 * b.shape[0])
+    if len(rows) != 1:
+        raise ValueError(f"pack_low_rank_b: the adapters update packed weights of different rows {sorted(rows)}")
+    first = adapters[0][0]
+    fill = torch.empty if all(half == "gate_up" for _, half in adapters) else torch.zeros
+    packed = fill((rows.pop(), sum(b.shape[1] for b, _ in adapters)), dtype=first.dtype, device=first.device)
+    col = 0
+    for b, half in adapters:
+        gate, up = b.chunk(2) if half == "gate_up" else ((b, None) if half == "gate" else (None, b))
+        copy_into_interleaved(packed[:, col : col + b.shape[1]], gate, up)
+        col += b.shape[1]
+    return packed
 
 
 def check_low_rank(fn: str, x: torch.Tensor, weight: torch.Tensor, x_lr: torch.Tensor, b_lr: torch.Tensor) -> None:
@@ -173,9 +198,10 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
     """(x_lr [..., r], b_lr [2*I, r]) of every active adapter of the layers wrapping packed projections.
 
     Each wrapper (`swiglu_patch.lora.PackedLoraLinear`) lists its active, unmerged adapters as
-    (x_lr, b_lr) pairs in x's dtype through ``low_rank_operands(x)``; they are concatenated along
-    r in the wrappers' order (gate before up), which is also the order plain PEFT draws their
-    dropout masks in.
+    (x_lr, b, half) through ``low_rank_operands(x)``: x_lr in x's dtype, the adapter's B in x's
+    dtype and the half of the packed rows it updates (`pack_low_rank_b`). They are concatenated
+    along r in the wrappers' order (gate before up), which is also the order plain PEFT draws
+    their dropout masks in; b_lr is built in one buffer (`pack_low_rank_bs`).
 
     Returns:
         The concatenated pair, or (None, None) when no adapter is active.
@@ -183,7 +209,7 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
     Raises:
         TypeError: a wrapper that cannot say what it adds.
     """
-    pairs = []
+    adapters = []
     for w in wrappers:
         operands = getattr(w, "low_rank_operands", None)
         if operands is None:
@@ -192,12 +218,12 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
                 "the fused GEMM cannot run; LoRA layers over it come from swiglu_patch.lora (register the "
                 "LoraConfig with swiglu_patch.lora.register(config))"
             )
-        pairs += operands(x)
-    if not pairs:
+        adapters += operands(x)
+    if not adapters:
         return None, None
-    if len(pairs) == 1:
-        return pairs[0]
-    return torch.cat([p[0] for p in pairs], -1), torch.cat([p[1] for p in pairs], -1)
+    b_lr = pack_low_rank_bs([(b, half) for _, b, half in adapters])
+    x_lr = adapters[0][0] if len(adapters) == 1 else torch.cat([a[0] for a in adapters], -1)
+    return x_lr, b_lr
 
 
 _PEFT_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")

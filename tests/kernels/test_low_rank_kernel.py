@@ -1,5 +1,5 @@
-"""The kernels' LoRA paths against float64: the low-rank segment of the pointer and TMA kernels
-(`dispatch_training.gated_gemm_low_rank`) and the backward kernels' dh_in input.
+"""The kernels' LoRA paths against float64: the low-rank segment of the pointer, TMA and GEMV
+kernels (`dispatch_training.gated_gemm_low_rank`) and the backward kernels' dh_in input.
 
 The low-rank segment computes the gated GEMM over [x | x_lr] against [W | b_lr]; the check
 is `helpers.check` on exactly those concatenated operands (gate rows [Wg | Bg], up rows
@@ -74,6 +74,34 @@ def test_tma_low_rank_segment_in_the_split_tail(m):
     config = C(64, 64, 32, group_m=2, split_tail=True) if CUDA else C(16, 64, 32, group_m=2, split_tail=True)
     out, _ = gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, "silu", config=config, kernel="tma")
     check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), None, None)
+
+
+# the GEMV: one token, whole blocks; r of 1, at and past its step of 16; K not a multiple of its block
+GEMV_SHAPES = [(1, 64, 48, 16), (1, 50, 32, 1), (1, 300, 64, 37)]
+GEMV_CONFIG = C(1, 32, 64, num_warps=4, num_stages=1)  # two gate/up blocks per program, K in 64 steps
+
+
+@pytest.mark.parametrize("m,k,i,r", GEMV_SHAPES)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_gemv_low_rank_segment_matches_float64(m, k, i, r, dtype, bias, strided):
+    """The GEMV's segment (inference at M = 1) against float64, out poisoned first."""
+    x, gate, up, bg, bu, x_lr, b_g, b_u, b_lr = _low_rank_case(m, k, i, r, dtype, bias, strided)
+    out = _nan((m, i), x)
+    got, preact = gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, "silu", packed_of(bg, bu), out=out,
+                                      config=GEMV_CONFIG, kernel="gemv")
+    assert got is out and preact is None
+    check(out, torch.cat([x, x_lr], 1), torch.cat([gate, b_g], 1), torch.cat([up, b_u], 1), bg, bu)
+
+
+def test_gemv_low_rank_refuses_what_it_cannot_run():
+    """Two tokens, or a stored pre-activation: named, with the fix."""
+    x, gate, up, _, _, x_lr, _, _, b_lr = _low_rank_case(2, 64, 48, 4, KERNEL_DTYPES[-1], False)
+    with pytest.raises(ValueError, match="kernel='gemv' needs M == 1.*use kernel='auto'"):
+        gated_gemm_low_rank(x, packed_of(gate, up), x_lr, b_lr, kernel="gemv")
+    with pytest.raises(ValueError, match="kernel must be 'auto' or one of \\('pointer', 'tma'\\)"):
+        gated_gemm_low_rank(x[:1], packed_of(gate, up), x_lr[:1], b_lr, store_preact=True, kernel="gemv")
 
 
 def test_tma_low_rank_segment_refuses_unaligned_adapters():

@@ -7,7 +7,8 @@ from helpers import ACTS, EPS, epilogue64, make_case, rel_err
 
 from swiglu_patch import GatedEpilogue, pack_gate_up
 from swiglu_patch.kernels.layout import gate_up_rows
-from swiglu_patch.low_rank import gated_linear_low_rank, gated_linear_low_rank_reference, pack_low_rank_b
+from swiglu_patch.low_rank import (gated_linear_low_rank, gated_linear_low_rank_reference, pack_low_rank_b,
+                                  pack_low_rank_bs)
 
 
 def _adapters(k, i, ranks, dtype, chunked=False):
@@ -54,6 +55,27 @@ def test_pack_low_rank_b_puts_b_on_its_half_and_zeros_on_the_other():
     assert torch.equal(packed[gate_rows], both[:i]) and torch.equal(packed[up_rows], both[i:])
     with pytest.raises(ValueError, match="half"):
         pack_low_rank_b(b, "down")
+
+
+@pytest.mark.parametrize("i", [40, 16, 7])  # whole and partial blocks, a partial block only
+def test_pack_low_rank_bs_lays_adapters_side_by_side_in_one_buffer(i):
+    adapters = [(torch.randn(i, 3), "gate"), (torch.randn(i, 5), "up"), (torch.randn(2 * i, 2), "gate_up")]
+    for b, _ in adapters:
+        b.requires_grad_(True)
+    packed = pack_low_rank_bs(adapters)
+    gate_rows, up_rows = gate_up_rows(i)
+    assert packed.shape == (2 * i, 10)
+    g, u = torch.zeros(i, 10), torch.zeros(i, 10)  # each adapter's columns, written out per half
+    g[:, :3], u[:, 3:8], g[:, 8:], u[:, 8:] = adapters[0][0], adapters[1][0], adapters[2][0][:i], adapters[2][0][i:]
+    assert torch.equal(packed[gate_rows], g) and torch.equal(packed[up_rows], u)
+    assert torch.equal(pack_low_rank_bs(adapters[2:]), pack_low_rank_b(adapters[2][0], "gate_up"))
+    weights = torch.randn(2 * i, 10)
+    (packed * weights).sum().backward()  # each b's gradient: the weights at its own places
+    assert torch.equal(adapters[0][0].grad, weights[gate_rows, :3])
+    assert torch.equal(adapters[1][0].grad, weights[up_rows, 3:8])
+    assert torch.equal(adapters[2][0].grad, torch.cat([weights[gate_rows, 8:], weights[up_rows, 8:]]))
+    with pytest.raises(ValueError, match="different rows"):
+        pack_low_rank_bs([(torch.randn(i, 3), "gate"), (torch.randn(i + 1, 3), "up")])
 
 
 @pytest.mark.parametrize("m", [1, 7, 199])
