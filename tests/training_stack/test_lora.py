@@ -117,7 +117,7 @@ def test_lora_trains_through_the_fused_op(family, backend, monkeypatch):
     assert len(calls) == 2 * layers, calls
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", train_backends())
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_saved_adapter_merge_and_unload_match_plain_peft(family, order, backend, tmp_path):

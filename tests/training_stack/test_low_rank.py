@@ -3,7 +3,7 @@ packed gated GEMM, against the adapters written out in float64 with separate gat
 
 import pytest
 import torch
-from helpers import ACTS, EPS, epilogue64, make_case, rel_err
+from helpers import ACTS, DEVICE, EPS, epilogue64, make_case, rel_err
 
 from swiglu_patch import GatedEpilogue, pack_gate_up
 from swiglu_patch.kernels.layout import gate_up_rows
@@ -97,11 +97,12 @@ def test_float64_matches_separate_adapters(m, k, i, chunked):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", list(ACTS))
 def test_same_dtype_within_twice_torch_error(backend, dtype, act):
-    """Inference in fp32/fp16 (the Triton kernel on the concatenated operands under the interpreter)."""
+    """Inference in fp32/fp16 (the Triton kernel on the GPU, or under the interpreter on CPU)."""
     m, k, i = 37, 64, 72
-    x_full, gate, up, bg, bu = make_case(2 * m, k, i, dtype, bias=True, device="cpu")
+    device = DEVICE if backend == "triton" else "cpu"
+    x_full, gate, up, bg, bu = make_case(2 * m, k, i, dtype, bias=True, device=device)
     x = x_full[::2]  # non-contiguous rows
-    adapters = _adapters(k, i, (4, 4), dtype)
+    adapters = {h: (a.to(device), b.to(device), s) for h, (a, b, s) in _adapters(k, i, (4, 4), dtype).items()}
     packed = pack_gate_up(gate, up, bg, bu)
     x_lr, b_lr = _operands(x, adapters)
     with torch.no_grad():
