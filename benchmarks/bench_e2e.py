@@ -22,9 +22,7 @@ ratio. The parts (`--parts`, default all):
   and cache in `--cache`: "dynamic" (the default DynamicCache: each step bound by the host's
   Python) and "static" (`cache_implementation="static"`: on CUDA transformers compiles the
   forward with torch.compile and CUDA graphs; the first call, which compiles, is not timed and
-  is recorded). tokens/s = B x new / wall time of the call. Each step is also stamped
-  (`harness/step_clock.py`); the median step of each mode, pooled over the rounds, drifts less
-  than the calls do.
+  is recorded). tokens/s = B x new / wall time of the call.
 - graph: greedy decode with the step captured in a CUDA graph (`harness/decode_graph.py`: what a
   serving engine runs); tokens/s = B / (CUDA-event time per step). Uncaptured on CPU.
 - host: host µs of one call of layer 0's MLP on x [B, 1, hidden] (a decode step's MLP call),
@@ -151,11 +149,8 @@ def _allow_static_recompiles() -> None:
 
 
 def generate_cases(args, device, vocab: int, gen: torch.Generator):
-    """(cache, batch, call) for every cache kind and batch: call(model[, clock]) runs greedy
-    `generate` on [batch, prompt] random prompts with exactly `new_tokens` new tokens (a
-    `StepClock` given as clock stamps every step)."""
-    from transformers import LogitsProcessorList
-
+    """(cache, batch, call) for every cache kind and batch: call(model) runs greedy `generate`
+    on [batch, prompt] random prompts with exactly `new_tokens` new tokens."""
     new = args.new_tokens
     if "static" in args.cache:
         _allow_static_recompiles()
@@ -165,9 +160,7 @@ def generate_cases(args, device, vocab: int, gen: torch.Generator):
             ids = torch.randint(2, vocab, (batch, args.prompt), generator=gen).to(device)
             mask = torch.ones_like(ids)
 
-            def call(model, clock=None, ids=ids, mask=mask, extra=extra):
-                if clock is not None:
-                    extra = {**extra, "logits_processor": LogitsProcessorList([clock])}
+            def call(model, ids=ids, mask=mask, extra=extra):
                 return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                       do_sample=False, **extra)
 
@@ -176,9 +169,7 @@ def generate_cases(args, device, vocab: int, gen: torch.Generator):
 
 def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
     """Every (cache, batch): one untimed call per mode (a static cache compiles there), then
-    `rounds` rounds of one call per mode in turns, each step's time stamped (`harness.step_clock`)."""
-    from .harness.step_clock import StepClock, step_stats
-
+    `rounds` rounds of one call per mode in turns."""
     new, rows = args.new_tokens, []
     for cache, batch, call in generate_cases(args, device, vocab, gen):
         first_s, tokens = {}, {}
@@ -191,27 +182,15 @@ def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generato
             tokens[mode] = out[0, args.prompt:].tolist()
             if out.shape[1] != args.prompt + new:
                 raise RuntimeError(f"bench_e2e: generate made {out.shape[1] - args.prompt} tokens, not {new}")
-        clocks = {mode: StepClock() for mode in models}
-        steps = {mode: [] for mode in models}
-
-        def timed(mode):
-            out = call(models[mode], clocks[mode])
-            steps[mode] += clocks[mode].steps_s()
-            return out
-
-        times = in_turns({mode: (lambda mode=mode: timed(mode)) for mode in models}, args.rounds, sync)
+        times = in_turns({mode: (lambda m=m: call(m)) for mode, m in models.items()}, args.rounds, sync)
         row = {"cache": cache, "batch": batch, "new_tokens": new, "prompt": args.prompt,
                "compiled": cache == "static" and device.type == "cuda", "first_call_s": first_s,
                **_pair(times, batch * new), "tokens": tokens}
-        for mode in models:
-            row[mode]["step"] = step_stats(steps[mode])
-        row["step_speedup"] = row["eager"]["step"]["median_ms"] / row["patched"]["step"]["median_ms"]
         rows.append(row)
         s = row["speedup"]
         print(f"[bench_e2e] generate {cache:7s} batch {batch:3d}: eager {row['eager']['per_s']:9.1f} tok/s, "
               f"patched {row['patched']['per_s']:9.1f}, patched/eager {s['median']:.3f}x "
-              f"({s['min']:.3f}-{s['max']:.3f}); median step {row['eager']['step']['median_ms']:.2f} / "
-              f"{row['patched']['step']['median_ms']:.2f} ms ({row['step_speedup']:.3f}x)", flush=True)
+              f"({s['min']:.3f}-{s['max']:.3f})", flush=True)
     return rows
 
 

@@ -70,24 +70,17 @@ def _generate(data: dict) -> list[str]:
              "tokens/s = batch x new tokens / wall time of the call; speedup = patched tok/s / eager tok/s per "
              "round. dynamic: the default DynamicCache (host-bound); static: `cache_implementation=\"static\"` "
              "(on CUDA transformers compiles the forward; the first call, not timed, is in the last column). "
-             "Host µs per MLP call: the `host` section below. Median step: each decode step's wall time, "
-             "pooled over the rounds (less sensitive to the host's drift than whole calls), eager / patched "
-             "ms and eager's over patched's.", "",
-             "| cache | batch | eager tok/s | patched tok/s | speedup, median (min-max) | target | median step ms | "
-             "host µs per MLP call, eager / patched | first call s, eager / patched |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Host µs per MLP call: the `host` section below.", "",
+             "| cache | batch | eager tok/s | patched tok/s | speedup, median (min-max) | target | host µs per MLP "
+             "call, eager / patched | first call s, eager / patched |", "|---|---|---|---|---|---|---|---|"]
     for r in data["generate"]:
         h = host.get(r["batch"])
         host_cell = f"{h['eager']['median_us']:.1f} / {h['patched']['median_us']:.1f}" if h else "–"
         first = r["first_call_s"]
-        step = "–"
-        if "step_speedup" in r:
-            step = (f"{r['eager']['step']['median_ms']:.2f} / {r['patched']['step']['median_ms']:.2f} "
-                    f"({r['step_speedup']:.3f}x)")
         lines.append(f"| {r['cache']} | {r['batch']} | {r['eager']['per_s']:.1f} | {r['patched']['per_s']:.1f} | "
                      f"{_speedup(r['speedup'])} | "
-                     f"{_verdict(r['speedup']['median'], GENERATE_TARGETS[r['cache']], True)} | {step} | "
-                     f"{host_cell} | {first['eager']:.1f} / {first['patched']:.1f} |")
+                     f"{_verdict(r['speedup']['median'], GENERATE_TARGETS[r['cache']], True)} | {host_cell} | "
+                     f"{first['eager']:.1f} / {first['patched']:.1f} |")
     lines += ["", "Per-round speedups:", ""]
     for r in data["generate"]:
         lines.append(f"- {r['cache']}, batch {r['batch']}: " + ", ".join(f"{x:.3f}" for x in r["speedup"]["rounds"]))
@@ -207,8 +200,7 @@ def summary_lines(data: dict) -> list[str]:
     for r in data.get("generate", []):
         s = r["speedup"]
         out.append(f"  generate {r['cache']:7s} batch {r['batch']:3d} patched/eager {s['median']:.3f}x "
-                   f"({s['min']:.3f}-{s['max']:.3f}), {_verdict(s['median'], GENERATE_TARGETS[r['cache']], True)}"
-                   + (f"; median step {r['step_speedup']:.3f}x" if "step_speedup" in r else ""))
+                   f"({s['min']:.3f}-{s['max']:.3f}), {_verdict(s['median'], GENERATE_TARGETS[r['cache']], True)}")
     for r in data.get("graph", []):
         out.append(f"  graph decode batch {r['batch']:3d}    patched/eager {r['speedup']['median']:.3f}x")
     for r in data.get("host", []):

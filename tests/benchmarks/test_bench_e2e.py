@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from benchmarks import bench_e2e
 
@@ -35,10 +34,6 @@ def test_dry_run_exercises_every_part_and_renders(tmp_path):
             assert s["rounds"][0] == pytest.approx(row["eager"]["rounds_s"][0] / row["patched"]["rounds_s"][0])
     for g in data["generate"]:
         assert all(len(t) == 3 for t in g["tokens"].values())  # min_new_tokens held
-        for mode in ("eager", "patched"):  # 3 tokens: 2 steps between the 3 stamps, in each of 2 rounds
-            step = g[mode]["step"]
-            assert step["steps"] == 4 and 0 < step["p10_ms"] <= step["median_ms"] <= step["p90_ms"]
-        assert g["step_speedup"] == pytest.approx(g["eager"]["step"]["median_ms"] / g["patched"]["step"]["median_ms"])
         assert g["compiled"] is False  # transformers compiles a static cache's forward on CUDA only
     assert [len(g["tokens"]["eager"]) for g in data["graph"]] == [3]
     host = data["host"][0]
@@ -56,7 +51,7 @@ def test_dry_run_exercises_every_part_and_renders(tmp_path):
     for heading in ("## Prefill", "## HF generate", "## Decode, the step captured", "## Host time per MLP call",
                     "## Where a decode step's time goes", "## Agreement"):
         assert heading in md
-    assert "| static | 1 |" in md and "dry run on CPU" in md and "abc123" in md and "Median step" in md
+    assert "| static | 1 |" in md and "dry run on CPU" in md and "abc123" in md
     (tmp_path / "results.md").unlink()
     assert bench_e2e.main(["--render", str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "results.md").read_text() == md
@@ -142,17 +137,3 @@ def test_families_table_and_the_step_bound():
     saved = 2.6 - 2.44  # ms per step
     assert f"| static | 8 | 160 | 3.000 | {3.0 / (3.0 - saved):.3f}x |" in md
     assert _families({"profile": [{"cache": "dynamic", "batch": 1, "eager": {"family_gpu_ms": None}}]}) == []
-
-
-def test_step_clock_times_the_steps_between_logits_calls():
-    from benchmarks.harness.step_clock import StepClock, step_stats
-
-    clock = StepClock()
-    scores = torch.randn(2, 5)
-    for _ in range(4):
-        assert clock(None, scores) is scores
-    steps = clock.steps_s()
-    assert len(steps) == 3 and all(s >= 0 for s in steps) and clock.stamps == []
-    stats = step_stats([0.003, 0.001, 0.002, 0.010])
-    assert stats["steps"] == 4 and stats["median_ms"] == pytest.approx(2.5) and stats["p10_ms"] == pytest.approx(1.0)
-    assert stats["p90_ms"] == pytest.approx(10.0)
