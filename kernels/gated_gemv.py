@@ -133,9 +133,9 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: to
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype,
                   store_preact: bool = False, low_rank: bool = False):
-    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I], preact,
-    x_lr, b_lr) -> out`; preact is always None (no STORE_PREACT); with low_rank, x_lr [1, R] and
-    b_lr [2*I, R] (x's dtype, any strides) must be given, without they are None.
+    """A launcher `(x [1, K], weight [2*I, K], bias [2*I] contiguous or None, out [1, I]) -> out`;
+    with low_rank `(..., out, preact, x_lr, b_lr) -> out` as the low-rank plans call it: preact
+    None (no STORE_PREACT), x_lr [1, R] and b_lr [2*I, R] in x's dtype, any strides.
 
     config: block_n output columns per program (a multiple of 16: block_n // 16 gate/up
     blocks), block_k inputs per step, num_warps; block_m, group_m and num_stages are not used.
@@ -164,9 +164,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype
         return launch_low_rank
     kernel = FastLaunch(_gated_gemv_kernel, meta)
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-               preact: torch.Tensor | None = None, x_lr: torch.Tensor | None = None,
-               b_lr: torch.Tensor | None = None) -> torch.Tensor:
+    def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
         i = weight.shape[0] >> 1
         w_rows, w_cols = weight.stride()
         kernel(ceil_div(i, bn), x.get_device(), x, weight, weight if bias is None else bias, out,
