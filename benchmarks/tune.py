@@ -35,22 +35,23 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
     # the dry run's interpreter must be on before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import time  # noqa: E402
-from collections import defaultdict  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from swiglu_patch.kernels.configs import GatedGemmConfig as C  # noqa: E402
-from swiglu_patch.kernels.configs import m_bucket  # noqa: E402
-from swiglu_patch.provenance import environment  # noqa: E402
+from swiglu_patch.kernels.configs import GatedGemmConfig as C
+from swiglu_patch.kernels.configs import m_bucket
+from swiglu_patch.provenance import environment
 
-from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error  # noqa: E402
-from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json  # noqa: E402
-from .harness.shapes import DRY_RUN_SHAPES, SHAPES, TP_SHARD_SHAPES, select_shapes  # noqa: E402
+from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error
+from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json
+from .harness.shapes import DRY_RUN_SHAPES, SHAPES, TP_SHARD_SHAPES, select_shapes
 
 PROG = "python -m benchmarks.tune"
 TOKENS = (1, 4, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 4096, 16384)
@@ -255,8 +256,7 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
             row.update(status="skipped", reason="TMA kernels need a Hopper GPU")
             continue
         out = torch.full((m, i), float("nan"), dtype=dtype, device=x.device)
-        fn = (lambda out=out, kernel=kernel, config=config:
-              dispatch.gated_gemm(x, w, act, out=out, config=config, kernel=kernel))
+        fn = partial(dispatch.gated_gemm, x, w, act, out=out, config=config, kernel=kernel)
         t0 = time.perf_counter()
         try:
             fn()

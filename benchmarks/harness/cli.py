@@ -17,7 +17,7 @@ from typing import Callable
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (argparse's own adds the usage block)."""
 
-    def error(self, message: str):  # noqa: D102  (argparse's hook)
+    def error(self, message: str):  # argparse's hook
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
