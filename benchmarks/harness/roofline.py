@@ -9,7 +9,7 @@ square matmul on random data in the benchmark's dtype (8192^3 on the GPU), the b
 a large device-to-device copy counting bytes read plus bytes written, done by an elementwise
 kernel (`torch.neg(src, out=dst)`: the same bytes as `dst.copy_(src)`, but a CUDA graph
 captures `copy_` as a memcpy node that the copy engine runs at about 2.4 TB/s on the H100,
-against 3.0 TB/s for a kernel; `benchmarks/studies/l2_state.py`). So `floor / time` is the
+against 3.0 TB/s for a kernel; a study in `docs/history.md`). So `floor / time` is the
 fraction of what this machine, this day, demonstrably does.
 """
 

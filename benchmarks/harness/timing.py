@@ -12,7 +12,7 @@ a 256 MB buffer. So:
   writing 256 MB. `do_bench` flushes by zeroing its buffer, which leaves up to 50 MB of dirty
   lines in L2 that the timed kernel pays to write back to HBM: at decode, where a 7-9B
   model's gate/up weight is 200-270 MB, that is 20% more DRAM traffic than the kernel itself
-  causes (`benchmarks/studies/l2_state.py` measured the difference);
+  causes (a study measured the difference: `docs/history.md`);
 - the ways of one row are timed interleaved, in `rounds` rounds, so a clock or thermal drift
   during the row touches all of them alike; the median of all samples is reported.
 
@@ -46,7 +46,7 @@ class GraphTimer:
             callables of one `many` call take turns round by round.
         flush_mib: size of the buffer read before every timed call (L2 is 50 MB on H100).
         flush: "read" (the default: L2 left clean) or "zero" (do_bench's way: L2 left dirty),
-            for `studies/l2_state.py`'s comparison.
+            for comparing the two L2 states.
     """
 
     def __init__(self, warmup_ms: float = 10.0, rep_ms: float = 40.0, rounds: int = 4,

@@ -1,6 +1,6 @@
-"""benchmarks/: the benchmarks a user runs at the top, their harness below them, frozen studies
-aside. Imports point down (a top-level benchmark imports the harness, never the reverse), and
-nothing but a study imports a study: studies are frozen at the commit they last ran at."""
+"""benchmarks/: the benchmarks a user runs at the top, their harness below them. Imports point
+down (a top-level benchmark imports the harness, never the reverse), and there are no one-off
+studies in the tree: their conclusions are in docs/history.md, their files in git."""
 
 from __future__ import annotations
 
@@ -37,13 +37,5 @@ def test_the_harness_imports_no_benchmark():
         assert not up, f"{path.name} imports {up}: the harness must not import a benchmark"
 
 
-def test_nothing_but_a_study_imports_a_study():
-    for path in list(BENCH.glob("*.py")) + list((BENCH / "harness").glob("*.py")) + list(REPO.glob("tests/**/*.py")):
-        studies = {n for n in _imports(path) if n.startswith("benchmarks.studies")}
-        assert not studies, f"{path.relative_to(REPO)} imports {studies}: studies are frozen, not product"
-
-
-def test_every_study_has_its_conclusion_in_the_readme():
-    readme = (BENCH / "studies" / "README.md").read_text()
-    for path in (BENCH / "studies").glob("*.py"):
-        assert f"`{path.name}`" in readme, f"benchmarks/studies/README.md says nothing of {path.name}"
+def test_no_studies_in_the_tree():
+    assert not list(BENCH.glob("studies/**/*.[pm][yd]")), "one-off studies go to docs/history.md (conclusion) and git (files)"

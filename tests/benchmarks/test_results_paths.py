@@ -6,9 +6,8 @@ path. Brace lists expand (``{bf16,fp16}_results.json``), globs must match someth
 path with a placeholder (``<commit>``, ``$OUT``, ``{gpu}``) is checked up to the placeholder,
 and a path right after a git revision (``git show 528fc9a:benchmarks/results/...``) is history,
 not checked.
-Frozen studies (benchmarks/studies/*.py) are skipped: they cite the layout of the commit they
-last ran at (benchmarks/studies/README.md). The paths the kernel rules cite (`Rule.sweep`,
-relative to benchmarks/results/) are checked too. All stale paths are reported at once.
+The paths the kernel rules cite (`Rule.sweep`, relative to benchmarks/results/) are checked
+too, and the results stay under 5 MB. All stale paths are reported at once.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SKIP_DIRS = {".git", ".venv", "node_modules", "build", "dist", "__pycache__", ".pytest_cache"}
-FROZEN = REPO / "benchmarks" / "studies"
 PATH = re.compile(r"benchmarks/results(?:/[A-Za-z0-9_.*{},<>$-]+)*/?")
 PLACEHOLDER = re.compile(r"[<>$]|\{[^,}]*\}")
 
@@ -32,7 +30,7 @@ def _sources() -> list[Path]:
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for name in files:
             path = Path(folder) / name
-            if path.suffix == ".md" or (path.suffix == ".py" and FROZEN not in path.parents):
+            if path.suffix in (".md", ".py"):
                 out.append(path)
     return out
 
@@ -80,6 +78,14 @@ def test_every_sweep_a_rule_cites_exists():
 
     missing = sorted({p for r in RULES for p in r.sweep if not (REPO / "benchmarks" / "results" / p).is_file()})
     assert not missing, f"rules cite sweeps missing under benchmarks/results/: {missing}"
+
+
+def test_the_results_of_record_stay_under_5_mb():
+    files = [p for p in (REPO / "benchmarks" / "results").rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    largest = sorted(files, key=lambda p: p.stat().st_size)[-3:]
+    assert total <= 5 * 2**20, (f"benchmarks/results holds {total / 2**20:.1f} MB, over 5 MB: keep results of record "
+                                f"only (largest: {[str(p.relative_to(REPO)) for p in largest]})")
 
 
 def test_the_scanner_expands_and_checks():
