@@ -4,43 +4,47 @@ swiglu-patch's `gated_mlp` (store and recompute modes), with gradients checked a
     python -m benchmarks.bench_train --out DIR [--commit SHA] [--budget-s 420]
     python -m benchmarks.bench_train --dry-run --out /tmp/x      # CPU: tiny shapes, interpreter
 
-Self-contained (torch, transformers, swiglu_patch; liger_kernel when importable). Sections, each
-printed as it runs; a section or way that fails is recorded with its error and the rest run:
+Sections, each printed as it runs; a section or way that fails is recorded with its error and
+the rest run:
 
 1. correctness: y, dx, dW_gate_up (packed), db_gate_up, dW_down, db_down of both modes against
    float64 autograd on the unpacked weights, next to HF-eager-style PyTorch's error in the same
-   dtype; PASS when ours <= 2 x eager's + eps (the issue's "within 2x of HF eager's own error").
-2. table: fwd+bwd ms (median of CUDA-event timings, the ways interleaved in rounds, grads set
-   to None before every step as a Trainer's zero_grad does), saved MiB (memory allocated after
-   the forward, less the output, above what was allocated before: inputs and weights
-   excluded), peak MiB (max allocated during forward + backward above the same base: the
-   weight gradients count), ratios to HF eager, and the issue's targets per row.
-3. parts: each kernel and GEMM of our forward and backward alone, against the cuBLAS GEMM of
-   the same shape (what the fused epilogues cost).
-4. tiles: alternative configs of the backward kernel and of the forward with STORE_PREACT,
-   each checked against the rule's output and timed; then ours_store's fwd + bwd with the
-   rules' tiles and with the fastest ones.
-5. the registers, spills and shared memory of every training-kernel variant compiled.
+   dtype; PASS when ours <= 2 x eager's + eps ("within 2x of HF eager's own error").
+2. table: fwd+bwd ms (`harness.timing.EventTimer`: CUDA events around eager calls, the ways
+   interleaved in rounds, grads set to None before every step as a Trainer's zero_grad does),
+   saved MiB (memory allocated after the forward, less the output, above what was allocated
+   before: inputs and weights excluded), peak MiB (max allocated during forward + backward above
+   the same base: the weight gradients count), ratios to HF eager, and the targets per row.
+3. parts: each kernel and GEMM of our forward and backward alone, through the public entry
+   points (`gated_gemm`, `gated_gemm_with_preact`, `gated_backward`), against the cuBLAS GEMM
+   of the same shape (what the fused epilogues cost); skipped past --budget-s.
 
-Sections 3 and 4 are skipped past --budget-s (the order puts what the issue asks first).
-
-Writes OUT/train.json (after every section) and OUT/train.md.
+The training kernels' tile sweeps are `python -m benchmarks.tune --sweep backward` and
+`--sweep preact`. Writes OUT/train.json (after every section) and OUT/train.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
+import os
+import sys
+
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
+    # the dry run's interpreter must be on before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import dataclasses
 import gc
-import json
-import os
-import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
 
+from .harness.accuracy import rel_error
+from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json
+from .harness.sweep_ops import entry_points
+from .harness.timing import EventTimer
+
+PROG = "python -m benchmarks.bench_train"
 MIB = 2**20
 EPS = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
 GRADS = ("y", "dx", "dW_gate_up", "db_gate_up", "dW_down", "db_down")
@@ -73,68 +77,6 @@ CHECKS = [("llama-3-8b", 4096, 4096, 14336, "bfloat16", {"activation": "silu"}, 
           ("one token", 1, 4096, 14336, "bfloat16", {"activation": "silu"}, False, 1.0)]
 DRY_CHECKS = [("tiny", 33, 64, 96, "float16", {"activation": "silu"}, True, 1.0),
               ("tiny clamp", 7, 40, 37, "float32", {"activation": "gelu_tanh", "limit": 2.0}, True, 4.0)]
-
-
-def _configs(dry: bool) -> tuple[list, list]:
-    """[(name, kernel, config)] to try for the backward kernel and for the forward with P."""
-    from swiglu_patch.kernels.configs import GatedGemmConfig as C
-
-    if dry:
-        bwd = [("backward_tma", C(16, 32, 16, group_m=2)), ("backward_pointer", C(16, 32, 16, group_m=2))]
-        fwd = [("tma", C(16, 16, 16, group_m=2)), ("tma", C(16, 32, 16, group_m=2, split_tail=True))]
-    else:
-        t = dict(group_m=8, num_warps=8, num_stages=4)  # the rules' Hopper tile, varied one field at a time
-        bwd = [("backward_tma", C(128, 128, 64, **t)), ("backward_tma", C(128, 128, 64, **t | {"num_stages": 3})),
-               ("backward_tma", C(128, 128, 64, **t | {"group_m": 4})),
-               ("backward_tma", C(128, 128, 64, **t, warp_specialize=True)),
-               ("backward_tma", C(128, 128, 64, **t | {"num_stages": 3}, warp_specialize=True)),
-               ("backward_tma", C(128, 128, 64, **t | {"group_m": 16})),
-               ("backward_tma", C(128, 128, 128, **t | {"num_stages": 3})),
-               ("backward_tma", C(128, 128, 32, **t | {"num_stages": 6})),
-               ("backward_tma", C(128, 64, 64, **t | {"num_warps": 4})), ("backward_tma", C(128, 64, 64, **t)),
-               ("backward_tma", C(64, 128, 64, **t | {"num_warps": 4, "num_stages": 2, "programs_per_sm": 2})),
-               ("backward_tma", C(64, 64, 64, **t | {"num_warps": 4, "programs_per_sm": 2})),
-               ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3))]
-        fwd = [("tma", C(128, 128, 64, **t, split_tail=True)), ("tma", C(128, 128, 64, **t | {"num_stages": 3},
-                                                                         split_tail=True)),
-               ("tma", C(128, 128, 64, **t | {"num_stages": 3}, warp_specialize=True, split_tail=True)),
-               ("tma", C(128, 128, 64, **t)), ("tma", C(128, 64, 64, **t | {"num_warps": 4}, split_tail=True))]
-    return ([(f"{k} {c.short()}", k, c) for k, c in bwd], [(f"{k} {c.short()}", k, c) for k, c in fwd])
-
-
-# -- timing and memory ---------------------------------------------------------------------
-
-
-class Timer:
-    """Median seconds per call: CUDA events on the GPU (ways interleaved in rounds), perf_counter on CPU."""
-
-    def __init__(self, cuda: bool, reps: int, rounds: int, warmup: int):
-        self.cuda, self.reps, self.rounds, self.warmup = cuda, reps, rounds, warmup
-
-    def many(self, fns: dict) -> dict:
-        import torch
-
-        samples = {name: [] for name in fns}
-        for fn in fns.values():
-            for _ in range(self.warmup):
-                fn()
-        for _ in range(self.rounds):
-            for name, fn in fns.items():
-                if self.cuda:
-                    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                              for _ in range(self.reps)]
-                    for start, end in events:
-                        start.record()
-                        fn()
-                        end.record()
-                    torch.cuda.synchronize()
-                    samples[name] += [s.elapsed_time(e) / 1e3 for s, e in events]
-                else:
-                    for _ in range(self.reps):
-                        t = time.perf_counter()
-                        fn()
-                        samples[name].append(time.perf_counter() - t)
-        return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def _free(device):
@@ -216,7 +158,11 @@ def liger_modules(row: Row, config, eager) -> dict:
         import liger_kernel  # noqa: F401
     except ImportError as e:
         return {"liger": f"not installed ({e})"}
-    _short_liger_autotune()
+    from .harness.ways import fast_liger_autotune
+
+    # LigerMLP tunes 32 configs for each of two kernels per (K, I, M bucket): shorter timing
+    # still separates them, and the chosen config is then timed like every other way.
+    fast_liger_autotune(5, 20, ("_swiglu_kernel_forward", "_swiglu_kernel_backward_dI"))
     out = {}
     classes = ([("liger_swiglu (LigerSwiGLUMLP)", "liger_kernel.transformers.swiglu", "LigerSwiGLUMLP"),
                 ("liger_mlp (LigerMLP)", "liger_kernel.transformers.mlp", "LigerMLP")] if row.act == "silu" else
@@ -237,47 +183,7 @@ def liger_modules(row: Row, config, eager) -> dict:
     return out
 
 
-def _short_liger_autotune() -> None:
-    """LigerMLP tunes 32 configs for each of two kernels per (K, I, M bucket), each timed by
-    do_bench(warmup=25, rep=100); shorter timing still separates configs whose times differ by
-    more than the noise, and the chosen config is then timed like every other way."""
-    try:
-        from liger_kernel.ops import mlp
-        from triton.testing import do_bench
-    except ImportError:
-        return
-    for name in ("_swiglu_kernel_forward", "_swiglu_kernel_backward_dI"):
-        tuner = getattr(mlp, name, None)
-        if tuner is not None and hasattr(tuner, "_do_bench"):
-            tuner._do_bench = lambda fn, quantiles: do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
-
-
-@contextlib.contextmanager
-def forced_tiles(bwd=None, fwd=None):
-    """Run the op with these (kernel, config) pairs first in the dispatcher's rule tables."""
-    from swiglu_patch.kernels import dispatch, dispatch_training
-    from swiglu_patch.kernels.rules import Rule
-
-    saved = dispatch_training.BACKWARD_RULES, dispatch.RULES
-    if bwd:
-        dispatch_training.BACKWARD_RULES = (Rule(bwd[0], bwd[1], why="forced by bench_train"),) + saved[0]
-    if fwd:
-        dispatch.RULES = (Rule(fwd[0], fwd[1], why="forced by bench_train"),) + saved[1]
-    for cache in (dispatch._PLANS, dispatch_training._PREACT_PLANS, dispatch_training._BACKWARD_PLANS):
-        cache.clear()
-    try:
-        yield
-    finally:
-        dispatch_training.BACKWARD_RULES, dispatch.RULES = saved
-        for cache in (dispatch._PLANS, dispatch_training._PREACT_PLANS, dispatch_training._BACKWARD_PLANS):
-            cache.clear()
-
-
 # -- 1. correctness --------------------------------------------------------------------------
-
-
-def rel_err(a, ref) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def _run(fn, leaves, dy) -> list:
@@ -327,7 +233,7 @@ def correctness(case, device) -> dict:
             if r is None:
                 continue
             finite = bool(torch.isfinite(o).all())
-            e_ours, e_eager = rel_err(o, r), rel_err(s, r)
+            e_ours, e_eager = rel_error(o, r.double()), rel_error(s, r.double())
             errs[name] = {"ours": e_ours, "eager": e_eager, "finite": finite,
                           "pass": finite and e_ours <= 2 * e_eager + EPS[dtype_name]}
         out["modes"][mode] = errs
@@ -342,30 +248,32 @@ def print_correctness(r: dict) -> None:
               f"[{r['epilogue']}{', biases' if r['bias'] else ''}] {mode}: {detail}", flush=True)
 
 
-# -- 2. parts ------------------------------------------------------------------------------
+# -- 2. parts (section 3 of the run) ------------------------------------------------------------------------------
 
 
-def parts(row: Row, device, timer: Timer) -> dict:
+def parts(row: Row, device, timer: EventTimer) -> dict:
     """Each piece of our fwd + bwd alone, next to the cuBLAS GEMM of the same shape."""
     import torch
     import torch.nn.functional as F
 
-    from swiglu_patch.kernels import dispatch, dispatch_training
+    from swiglu_patch.kernels import dispatch
+
+    training = entry_points()  # gated_gemm_with_preact, gated_backward
 
     dtype = getattr(torch, row.dtype)
     m, k, i = row.m, row.k, row.i
     x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
     w = (torch.randn(2 * i, k, device=device) * k**-0.5).to(dtype)
     wd = (torch.randn(k, i, device=device) * i**-0.5).to(dtype)
-    h, preact = dispatch_training.gated_gemm_with_preact(x, w, row.act)
+    h, preact = training.gated_gemm_with_preact(x, w, row.act)
     dpreact = torch.empty_like(preact)
     fns = {
         "fwd: gated GEMM, inference kernel (no P)": (lambda: dispatch.gated_gemm(x, w, row.act, out=h), 4),
-        "fwd: gated GEMM + P store": (lambda: dispatch_training.gated_gemm_with_preact(x, w, row.act, out=h,
+        "fwd: gated GEMM + P store": (lambda: training.gated_gemm_with_preact(x, w, row.act, out=h,
                                                                                 preact_out=preact), 4),
         "fwd: cuBLAS x @ W^T (gate/up GEMM only)": (lambda: F.linear(x, w), 4),
         "fwd: cuBLAS down h @ Wd^T": (lambda: F.linear(h, wd), 2),
-        "bwd: fused dY @ Wd + derivative -> dP, h": (lambda: dispatch_training.gated_backward(
+        "bwd: fused dY @ Wd + derivative -> dP, h": (lambda: training.gated_backward(
             dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h), 2),
         "bwd: cuBLAS dY @ Wd alone": (lambda: dy @ wd, 2),
         "bwd: cuBLAS dWd = dY^T @ h": (lambda: dy.t() @ h, 2),
@@ -377,51 +285,7 @@ def parts(row: Row, device, timer: Timer) -> dict:
             zip(fns.items(), times.values())}
 
 
-# -- 3. tiles ------------------------------------------------------------------------------
-
-
-def tiles(row: Row, device, timer: Timer, dry: bool) -> dict:
-    """Time each alternative config of the two training kernels; check it against the rule's output."""
-    import torch
-
-    from swiglu_patch.kernels import dispatch, dispatch_training
-
-    dtype = getattr(torch, row.dtype)
-    m, k, i = row.m, row.k, row.i
-    x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
-    w = (torch.randn(2 * i, k, device=device) * k**-0.5).to(dtype)
-    wd = (torch.randn(k, i, device=device) * i**-0.5).to(dtype)
-    h_ref, p_ref = dispatch_training.gated_gemm_with_preact(x, w, row.act)
-    dp_ref, hb_ref = dispatch_training.gated_backward(dy, wd, p_ref, row.act)
-    bwd_configs, fwd_configs = _configs(dry)
-    out = {"backward": {}, "forward_preact": {}}
-    for group, configs, run, refs in (
-            ("backward", bwd_configs,
-             lambda kern, cfg: dispatch_training.gated_backward(dy, wd, p_ref, row.act, config=cfg, kernel=kern),
-             (dp_ref, hb_ref)),
-            ("forward_preact", fwd_configs,
-             lambda kern, cfg: dispatch_training.gated_gemm_with_preact(x, w, row.act, config=cfg, kernel=kern),
-             (h_ref, p_ref))):
-        for name, kern, cfg in configs:
-            try:
-                got = run(kern, cfg)
-                err = max(rel_err(a, b) for a, b in zip(got, refs))
-                if not err < 1e-2:
-                    out[group][name] = {"error": f"differs from the rule's output: rel err {err:.3g}"}
-                    continue
-                t = timer.many({name: lambda kern=kern, cfg=cfg: run(kern, cfg)})[name]
-                out[group][name] = {"ms": t * 1e3, "kernel": kern, "config": dataclasses.asdict(cfg), "rel_err": err}
-            except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
-                out[group][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-            print(f"  {group:15s} {name:40s} " + (f"{out[group][name]['ms']:.3f} ms" if "ms" in out[group][name]
-                                                   else out[group][name]["error"]), flush=True)
-    for group in list(out):
-        timed = {n: r for n, r in out[group].items() if "ms" in r}
-        out[group + "_best"] = min(timed, key=lambda n: timed[n]["ms"]) if timed else None
-    return out
-
-
-# -- 4. the table --------------------------------------------------------------------------
+# -- 3. the table --------------------------------------------------------------------------
 
 
 def _step(module, x, dy):
@@ -432,8 +296,8 @@ def _step(module, x, dy):
     return step
 
 
-def table_row(row: Row, device, timer: Timer, liger_mlp: bool) -> dict:
-    """Every way's fwd + bwd time, saved and peak memory on one row, and the issue's targets."""
+def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
+    """Every way's fwd + bwd time, saved and peak memory on one row, and the targets."""
     import torch
 
     dtype = getattr(torch, row.dtype)
@@ -468,29 +332,8 @@ def table_row(row: Row, device, timer: Timer, liger_mlp: bool) -> dict:
     return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results)}
 
 
-def best_tiles_step(row: Row, device, timer: Timer, best: dict) -> dict:
-    """ours_store's fwd + bwd with the rules' tiles, then with the sweep's fastest (forced first in
-    the rule tables), on one row's shape: what shipping the sweep's choice would give."""
-    import torch
-
-    dtype = getattr(torch, row.dtype)
-    eager, _ = eager_module(row, device, dtype)
-    module = ours_module(eager, row.act, "store")
-    del eager
-    x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
-    dy = torch.randn(row.m, row.k, device=device, dtype=dtype)
-    step = _step(module, x, dy)
-    out = {"rules_ms": timer.many({"rules": step})["rules"] * 1e3,
-           "tiles": {k: [v[0], dataclasses.asdict(v[1])] for k, v in best.items() if v}}
-    with forced_tiles(best.get("backward"), best.get("forward_preact")):
-        out["best_ms"] = timer.many({"best": step})["best"] * 1e3
-    del module, step
-    _free(device)
-    return out
-
-
 def targets(row: Row, ways: dict) -> dict:
-    """The issue's targets, each True/False (None where a number is missing)."""
+    """The training targets, each True/False (None where a number is missing)."""
     elem = 2 if row.dtype != "float32" else 4
     store, rec, eager = ways.get("ours_store", {}), ways.get("ours_recompute", {}), ways.get("hf_eager", {})
     others = [r["ms"] for n, r in ways.items() if not n.startswith("ours") and "ms" in r]
@@ -535,16 +378,6 @@ def render(results: dict) -> str:
         lines += ["", f"## Parts, {label}", "", "| part | ms | TFLOP/s |", "|---|---:|---:|"]
         lines += [f"| {n} | {v['ms']:.3f} | {v['tflops']:.0f} |" for n, v in p.items()] if "error" not in p else [
             f"| error | {p['error']} | |"]
-    for label, t in results.get("tiles", {}).items():
-        lines += ["", f"## Tiles, {label}", "", "| kernel | config | ms |", "|---|---|---:|"]
-        for group in ("backward", "forward_preact"):
-            for n, v in t.get(group, {}).items():
-                lines.append(f"| {group} | {n} | {_fmt(v.get('ms'), '.3f') or v.get('error')} |")
-            lines.append(f"| {group} | best: {t.get(group + '_best')} | |")
-        fb = t.get("ours_store_fwd_bwd")
-        if fb:
-            lines.append(f"| ours_store fwd+bwd | rules' tiles / the sweep's best | {fb['rules_ms']:.3f} / "
-                         f"{fb['best_ms']:.3f} |")
     for r in results.get("table", []):
         row = Row(**r["row"])
         lines += ["", f"## {row.label()} ({row.act}, K={row.k}, I={row.i}): forward + backward", "",
@@ -558,81 +391,54 @@ def render(results: dict) -> str:
                          f"{_fmt(v.get('saved_mib'), '.0f')} | {_fmt(v.get('peak_mib'), '.0f')} |")
         lines += [""] + [f"- {'MET' if ok else ('MISSED' if ok is False else 'n/a')}: {t}" for t, ok in
                          r["targets"].items()]
-    kernels = [k for k in results.get("compiled_kernels", []) if "kernel" in k]
-    if kernels:
-        cols = ["kernel", "dtype", "n_regs", "n_spills", "shared", "num_warps", "num_stages", "BLOCK_SIZE_M", "BLOCK_SIZE_N",
-                "BLOCK_SIZE_K", "STORE_PREACT", "ACTIVATION", "CLAMP"]
-        lines += ["", "## Compiled kernels", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(str(k.get(c, "")) for c in cols) + " |" for k in kernels]
     return "\n".join(lines) + "\n"
-
-
-def compiled_kernels() -> list[dict]:
-    """Registers, spills and shared memory of every variant of our training kernels compiled in
-    this run (Triton's launcher metadata; empty under the interpreter)."""
-    from swiglu_patch.kernels import gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma
-
-    keep = ("STORE_PREACT", "ACTIVATION", "CLAMP", "HAS_BIAS", "BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K",
-            "GROUP_SIZE_M", "WARP_SPECIALIZE", "TAIL_SPLIT", "NUM_PROGRAMS")
-    out = []
-    for fn in (gated_gemm_tma._gated_gemm_tma_kernel, gated_gemm_pointer._gated_gemm_fwd_kernel,
-               gated_backward_tma._gated_backward_tma_kernel, gated_backward_pointer._gated_backward_kernel):
-        for entry in getattr(fn, "device_caches", {}).values():
-            for kernel in (entry[0] if isinstance(entry, tuple) else {}).values():
-                try:
-                    names = kernel.src.fn.arg_names
-                    consts = {names[key[0]]: v for key, v in kernel.src.constexprs.items() if names[key[0]] in keep}
-                except Exception:  # noqa: BLE001 - the constexprs are a label, not a result
-                    consts = {}
-                meta = kernel.metadata
-                out.append({"kernel": kernel.name, "n_regs": getattr(kernel, "n_regs", None),
-                            "n_spills": getattr(kernel, "n_spills", None), "shared": meta.shared,
-                            "num_warps": meta.num_warps, "num_stages": meta.num_stages,
-                            "dtype": str(kernel.src.signature.get(names[0])) if consts else None} | consts)
-    return out
 
 
 # -- main ----------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_train", description=__doc__.split("\n")[0])
+def parse_args(argv: list[str] | None):
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output folder (train.json, train.md)")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU through Triton's interpreter")
     p.add_argument("--commit", help="the commit measured (the device copy has no .git)")
     p.add_argument("--budget-s", type=float, default=420.0,
-                   help="past this many seconds the parts and tiles are skipped (LigerMLP past half of it)")
+                   help="past this many seconds the parts are skipped (LigerMLP past half of it)")
     p.add_argument("--reps", type=int, default=10, help="timed calls per way per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-liger-mlp", action="store_true", help="skip LigerMLP (it autotunes 2 x 32 configs per M)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (see the module docstring); 2 on a bad argument, with one line on stderr."""
+    return guarded(PROG, _main, argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
     if args.dry_run:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports Triton's kernels
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # in time if Triton is not imported yet
     import torch
 
+    from swiglu_patch.kernels.device import interpreting
     from swiglu_patch.provenance import environment
 
+    if args.dry_run and not interpreting():
+        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
+                         f"imported: run `TRITON_INTERPRET=1 {PROG} --dry-run ...`")
+    if not args.dry_run:
+        require_cuda(PROG)
     start = time.time()
-    cuda = torch.cuda.is_available() and not args.dry_run
+    cuda = not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")
     rows, checks = (ROWS, CHECKS) if cuda else (DRY_ROWS, DRY_CHECKS)
-    if not cuda and not args.dry_run:
-        print("bench_train: no CUDA device; pass --dry-run to check the script on CPU", file=sys.stderr)
-        return 2
-    from swiglu_patch.kernels.device import interpreting
-
-    if args.dry_run and not interpreting():
-        print("bench_train: --dry-run runs the kernels in Triton's interpreter, but this process imported Triton "
-              "without it; run it in a fresh process (it sets TRITON_INTERPRET=1) or with TRITON_INTERPRET=1",
-              file=sys.stderr)
-        return 2
-    timer = Timer(cuda, reps=args.reps if cuda else 2, rounds=args.rounds if cuda else 1, warmup=3 if cuda else 1)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {"environment": environment(device, args.commit), "timer": vars(timer), "correctness": [], "parts": {},
-               "tiles": {}, "table": []}
+    timer = EventTimer(cuda, reps=args.reps if cuda else 2, rounds=args.rounds if cuda else 1, warmup=3 if cuda else 1)
+    results = {"environment": environment(device, args.commit), "timer": timer.describe(), "correctness": [],
+               "parts": {}, "table": []}
 
     def save():
-        (args.out / "train.json").write_text(json.dumps(results, indent=1, default=str))
+        write_json(results, args.out / "train.json")
         (args.out / "train.md").write_text(render(results))
 
     def elapsed():
@@ -659,7 +465,7 @@ def main(argv=None) -> int:
             print("  LigerMLP skipped (--no-liger-mlp, not bf16, or past half the budget)", flush=True)
         try:
             r = table_row(row, device, timer, liger_mlp)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - recorded; the rest runs
             traceback.print_exc()
             r = {"row": dataclasses.asdict(row), "ways": {"all": {"error": f"{type(e).__name__}: {str(e)[:300]}"}},
                  "targets": {}}
@@ -681,37 +487,11 @@ def main(argv=None) -> int:
             results["parts"][row.label()] = parts(row, device, timer)
             for n, v in results["parts"][row.label()].items():
                 print(f"  {row.label():28s} {n:45s} {v['ms']:8.3f} ms {v['tflops']:6.0f} TFLOP/s", flush=True)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - recorded; the rest runs
             traceback.print_exc()
             results["parts"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         _free(device)
         save()
-    print(f"4. tiles {elapsed()}", flush=True)
-    for row in (r for r in rows if r.shape == rows[0].shape and r.dtype == rows[0].dtype):
-        if time.time() - start > args.budget_s:
-            print(f"  skipped {row.label()}: past the budget", flush=True)
-            continue
-        try:
-            t = results["tiles"][row.label()] = tiles(row, device, timer, not cuda)
-            bwd, fwd = _configs(not cuda)
-            best = {"backward": next(((k, c) for name, k, c in bwd if name == t["backward_best"]), None),
-                    "forward_preact": next(((k, c) for name, k, c in fwd if name == t["forward_preact_best"]), None)}
-            t["ours_store_fwd_bwd"] = best_tiles_step(row, device, timer, best)
-            print(f"  ours_store fwd+bwd: rules' tiles {t['ours_store_fwd_bwd']['rules_ms']:.3f} ms, the sweep's "
-                  f"best {t['ours_store_fwd_bwd']['best_ms']:.3f} ms", flush=True)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            results["tiles"][row.label()] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        _free(device)
-        save()
-    print(f"5. compiled kernels (registers, spills, shared bytes) {elapsed()}", flush=True)
-    try:
-        results["compiled_kernels"] = compiled_kernels()
-        for k in results["compiled_kernels"]:
-            print(f"  {k}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        results["compiled_kernels"] = [{"error": f"{type(e).__name__}: {e}"}]
-    save()
     print(f"done {elapsed()}; wrote {args.out / 'train.json'} and {args.out / 'train.md'}", flush=True)
     return 0
 

@@ -6,14 +6,18 @@ the rules ship: where a rule of `swiglu_patch.kernels.rules` gets its kernel and
     python -m benchmarks.tune --out OUT --sweep gemv --tokens 1                        # one-token GEMV tiles
     python -m benchmarks.tune --out OUT --sweep grid --tokens 2 8 16 32 64 128 --with-liger  # grid TMA tiles
     python -m benchmarks.tune --out OUT --sweep tail --tokens 256 512 1024 2048        # TMA split tail
+    python -m benchmarks.tune --out OUT --sweep backward --shapes llama-3-8b           # training's backward GEMM
+    python -m benchmarks.tune --out OUT --sweep preact --shapes llama-3-8b             # training's forward (P stored)
     python -m benchmarks.tune --dry-run --out /tmp/tune                                # CPU interpreter
 
 For each shape and M, every candidate of the sweep (a kernel name and a `GatedGemmConfig`)
-runs once through `dispatch.gated_gemm(x, w, act, out=out, config=cfg, kernel=name)` and is
-checked against float64 on sampled rows (`harness/accuracy.py`); a wrong or failing candidate
-is recorded and never timed. The candidates that pass are timed together with cuBLAS on the
-stacked weight (`gemm_only`) and with `shipped`, the call with kernel="auto" (what the rules
-choose: `dispatch.choose` names the rule), by `harness/timing.GraphTimer`: CUDA-graph replays
+runs once through its op's public entry point with `config=cfg, kernel=name`
+(`harness/sweep_ops.py`: `gated_gemm`; `gated_gemm_with_preact` for `preact`; `gated_backward`
+for `backward`) and is checked against float64 on sampled rows; a wrong or failing candidate
+is recorded and never timed. The candidates that pass are timed together with the cuBLAS GEMM
+of the same shape (`gemm_only`: x @ [Wg; Wu]^T, or dY @ Wd for `backward`) and with `shipped`,
+the call with kernel="auto" (what the rules choose: `dispatch.choose` names the forward's
+rule), by `harness/timing.GraphTimer`: CUDA-graph replays
 after a read-only L2 flush, interleaved in rounds. A call captured into a graph takes the
 rules for captured calls, so `shipped` is labelled with those, and every replayed output is
 checked against float64 too.
@@ -40,7 +44,6 @@ import dataclasses
 import math
 import time
 from collections import defaultdict
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,8 +52,9 @@ from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.configs import m_bucket
 from swiglu_patch.provenance import environment
 
-from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows, rel_error
+from .harness.accuracy import REL_ERR_BOUNDS, Reference, check_rows
 from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json
+from .harness.sweep_ops import build_op
 from .harness.shapes import DRY_RUN_SHAPES, SHAPES, TP_SHARD_SHAPES, select_shapes
 
 PROG = "python -m benchmarks.tune"
@@ -105,6 +109,28 @@ PAIRED_TILES = [
     C(64, 64, 128, group_m=4, num_warps=4, num_stages=2), C(32, 128, 128, group_m=4, num_warps=4, num_stages=2),
     C(32, 64, 128, group_m=4, num_warps=4, num_stages=2), C(128, 64, 64, group_m=8, num_warps=4, num_stages=3),
     C(128, 64, 32, group_m=8, num_warps=4, num_stages=4),
+]
+
+
+# Training (M >= 1024): the rules' Hopper tile, varied one field at a time.
+_T = dict(group_m=8, num_warps=8, num_stages=4)
+BACKWARD_TILES = [
+    ("backward_tma", C(128, 128, 64, **_T)), ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 3})),
+    ("backward_tma", C(128, 128, 64, **_T | {"group_m": 4})), ("backward_tma", C(128, 128, 64, **_T | {"group_m": 16})),
+    ("backward_tma", C(128, 128, 64, **_T, warp_specialize=True)),
+    ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 3}, warp_specialize=True)),
+    ("backward_tma", C(128, 128, 128, **_T | {"num_stages": 3})), ("backward_tma", C(128, 128, 32, **_T | {"num_stages": 6})),
+    ("backward_tma", C(128, 64, 64, **_T | {"num_warps": 4})), ("backward_tma", C(128, 64, 64, **_T)),
+    ("backward_tma", C(64, 128, 64, **_T | {"num_warps": 4, "num_stages": 2, "programs_per_sm": 2})),
+    ("backward_tma", C(64, 64, 64, **_T | {"num_warps": 4, "programs_per_sm": 2})),
+    ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3)), ("backward_pointer", C(16, 32, 64, num_warps=4,
+                                                                                          num_stages=3)),
+]
+PREACT_TILES = [
+    ("tma", C(128, 128, 64, **_T, split_tail=True)), ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, split_tail=True)),
+    ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, warp_specialize=True, split_tail=True)),
+    ("tma", C(128, 128, 64, **_T)), ("tma", C(128, 64, 64, **_T | {"num_warps": 4}, split_tail=True)),
+    ("pointer", C(128, 128, 64, num_warps=8, num_stages=4)), ("pointer", C(64, 64, 64, num_warps=4, num_stages=4)),
 ]
 
 
@@ -165,14 +191,29 @@ def sweep_paired(m, k, i, shipped):
             for p in ((1, 2, 4) if c.block_m == 32 else (1, 2))]
 
 
+def sweep_backward(m, k, i, shipped):
+    """Training's backward GEMM (op `backward`): TMA and pointer tiles."""
+    return list(BACKWARD_TILES)
+
+
+def sweep_preact(m, k, i, shipped):
+    """Training's forward storing P (op `preact`): TMA tiles with and without the split tail, two pointer tiles."""
+    return list(PREACT_TILES)
+
+
 SWEEPS = {"buckets": sweep_buckets, "decode": sweep_decode, "gemv": sweep_gemv, "grid": sweep_grid,
-          "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired}
+          "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired, "backward": sweep_backward,
+          "preact": sweep_preact}
+OP = {"backward": "backward", "preact": "preact"}  # the op each sweep times; "forward" otherwise
+TRAIN_TOKENS = (4096, 8192)
 SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default)",
               "decode": "pointer tiles at M <= 16, and TMA small-M tiles", "gemv": "GEMV tiles at M = 1",
               "grid": "one-program-per-tile TMA tiles, 1 and 2 weight boxes", "tail": "TMA split tail off and on",
               "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
-              "paired": "persistent TMA tiles with 1-4 programs per SM"}
-TMA_KERNELS = ("tma", "grid")
+              "paired": "persistent TMA tiles with 1-4 programs per SM",
+              "backward": "training's backward GEMM tiles (default M 4096 8192)",
+              "preact": "training's forward tiles, P stored (default M 4096 8192)"}
+TMA_KERNELS = ("tma", "grid", "backward_tma")
 
 
 def label(kernel: str, config: C) -> str:
@@ -206,7 +247,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.shape_list = select_shapes(args.shapes, table)
     except ValueError as e:
         p.error(str(e))
-    args.tokens = args.tokens or ([1, 7] if args.dry_run else list(TOKENS))
+    args.tokens = args.tokens or ([1, 7] if args.dry_run else list(TRAIN_TOKENS if args.sweep in OP else TOKENS))
     return args
 
 
@@ -241,22 +282,25 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
         return next((r.config for _, r in dispatch.candidates(key) if r.kernel == kernel), None)
 
     n_rule, rule, cfg = dispatch.choose(gpu, dtype, m, k, i, captured=captured, capability_=capability)
-    cands = [("shipped", f"shipped: rule {n_rule} {rule.kernel} {cfg.short()}", "auto", None)]
+    op_name = OP.get(args.sweep, "forward")
+    cands = [("shipped", f"shipped: rule {n_rule} {rule.kernel} {cfg.short()}" if op_name == "forward" else
+              "shipped: kernel='auto'", "auto", None)]
     picked = [(kn, c) for kn, c in SWEEPS[args.sweep](m, k, i, shipped) if c is not None]
-    cands += [("candidate", label(kn, c), kn, c) for kn, c in (picked[:2] if args.dry_run else picked)]
+    if args.dry_run:  # two candidates that run here
+        picked = [(kn, c) for kn, c in picked if kn not in TMA_KERNELS or x.is_cuda][:2]
+    cands += [("candidate", label(kn, c), kn, c) for kn, c in picked]
     idx = check_rows(m, 16, gen).to(x.device)
-    want = ref.gated(x.index_select(0, idx))
+    op = build_op(op_name, x, w, stacked, act, ref.gated, idx, torch.Generator(device=x.device).manual_seed(m))
     bound = REL_ERR_BOUNDS[dtype]
-    base = dict(shape=shape.name, m=m, bucket=m_bucket(m), K=k, I=i, activation=act)
-    rows, fns = [], {"gemm_only": lambda: x @ stacked.T}
+    base = dict(shape=shape.name, m=m, bucket=m_bucket(m), K=k, I=i, activation=act, op=op_name)
+    rows, fns = [], {"gemm_only": op.cublas}
     for role, name, kernel, config in cands:
         row = dict(base, label=name, role=role, kernel=kernel, config=dataclasses.asdict(config) if config else None)
         rows.append(row)
         if kernel in TMA_KERNELS and not x.is_cuda:
             row.update(status="skipped", reason="TMA kernels need a Hopper GPU")
             continue
-        out = torch.full((m, i), float("nan"), dtype=dtype, device=x.device)
-        fn = partial(dispatch.gated_gemm, x, w, act, out=out, config=config, kernel=kernel)
+        fn, outs = op.make(kernel, config)
         t0 = time.perf_counter()
         try:
             fn()
@@ -265,22 +309,20 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
             row.update(status="error", reason=f"{type(e).__name__}: {str(e)[:300]}")
             continue
         row["first_call_s"] = time.perf_counter() - t0
-        err = rel_error(out.index_select(0, idx), want) if not out.isnan().any().item() else math.inf
-        replayed = timer.replayed_output(fn) if hasattr(timer, "replayed_output") else None
-        if replayed is not None:  # what the graph timer times
-            err = max(err, rel_error(replayed.index_select(0, idx), want) if not replayed.isnan().any().item()
-                      else math.inf)
+        err = op.error(outs)
+        if hasattr(timer, "replayed_output") and timer.replayed_output(fn) is not None:  # what the graph timer times
+            err = max(err, op.error(outs))
         row["rel_err"] = err
         if not err <= bound:
             row.update(status="failed", reason=f"relative error {err:.2e} > bound {bound:.1e} (or NaN in the output)")
             continue
         row["status"] = "ok"
         fns[name] = fn
-    if args.with_liger and act == "silu" and x.is_cuda:
+    if args.with_liger and act == "silu" and x.is_cuda and op_name == "forward":
         from .harness.ways import Operands, build
 
         liger = build("liger", Operands(x, stacked, ops["gate"], ops["up"], ops["packed"], act, "auto"))
-        err = rel_error(liger().index_select(0, idx), want)
+        err = op.error((liger(),))
         rows.append(dict(base, label="liger", role="liger", kernel="liger", config=None, rel_err=err,
                          status="ok" if err <= bound else "failed"))
         if err <= bound:

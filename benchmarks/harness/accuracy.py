@@ -86,6 +86,37 @@ class Reference:
         return activation_f64(x64 @ self.gate.T, self.activation) * (x64 @ self.up.T)
 
 
+def gate_up_columns(i: int, block: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate columns, up columns) of the interleaved [.., 2I] layout, each [I] int64: blocks of
+    `block` gate rows then `block` up rows, the last, partial block its rest gate rows, then its
+    rest up rows (the layout `swiglu_patch.kernels.layout` documents, written out here)."""
+    idx = torch.arange(i)
+    start = idx - idx % block
+    width = torch.clamp(i - start, max=block)
+    return 2 * start + idx % block, 2 * start + width + idx % block
+
+
+def interleaved_preact_f64(x_rows: torch.Tensor, packed_weight: torch.Tensor) -> torch.Tensor:
+    """[rows, 2I] float64: P = x @ W^T on the packed [2I, K] weight, in its interleaved order."""
+    return x_rows.to(torch.float64) @ packed_weight.to(torch.float64).T
+
+
+def backward_f64(dy_rows: torch.Tensor, down_weight: torch.Tensor, preact_rows: torch.Tensor,
+                 activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dP [rows, 2I], h [rows, I]) in float64 for y = h @ Wd^T, h = act(gate) * up, the gate and
+    up columns of the interleaved P [rows, 2I]; dH = dY @ Wd [K, I] by autograd on the formula."""
+    gate_cols, up_cols = gate_up_columns(down_weight.shape[1])
+    p64 = preact_rows.to(torch.float64)
+    gate = p64[:, gate_cols.to(p64.device)].requires_grad_()
+    up = p64[:, up_cols.to(p64.device)].requires_grad_()
+    with torch.enable_grad():
+        h = activation_f64(gate, activation) * up
+        h.backward(dy_rows.to(torch.float64) @ down_weight.to(torch.float64))
+    dp = torch.empty_like(p64)
+    dp[:, gate_cols.to(p64.device)], dp[:, up_cols.to(p64.device)] = gate.grad, up.grad
+    return dp, h.detach()
+
+
 def rel_error(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> float:
     """||out - ref||_F / ||ref||_F in float64; inf if shapes differ or out is not finite.
 

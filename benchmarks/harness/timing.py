@@ -23,6 +23,11 @@ that fails can leave the default CUDA generator in capture mode, so later `torch
 the GPU raises; the sync check keeps the usual case from getting there.) `DoBenchTimer` is the previous method
 (`triton.testing.do_bench`, zeroing flush, one way after the other), kept for comparison.
 
+GPU, `EventTimer` (training steps, `bench_train`): CUDA events around eager calls, no graph and
+no flush, the ways interleaved in rounds. A forward + backward step allocates its gradients
+and reads megabytes per call, so a graph (which would pin its allocations) and an L2 flush
+(small beside it) are left out.
+
 CPU (--dry-run only): perf_counter around each call, a fixed number of calls.
 """
 
@@ -176,6 +181,52 @@ class DoBenchTimer:
     def many(self, fns: dict[str, Fn]) -> dict[str, float]:
         self.modes = {key: "eager" for key in fns}
         return {key: self(fn) for key, fn in fns.items()}
+
+
+class EventTimer:
+    """Median seconds per call of eager calls bracketed by CUDA events (perf_counter on CPU),
+    `warmup` untimed calls each, then `rounds` rounds in which every callable runs `reps` times.
+
+    Args:
+        cuda: time with CUDA events (else perf_counter).
+        reps, rounds, warmup: calls per callable and round, rounds, untimed calls first.
+    """
+
+    def __init__(self, cuda: bool, reps: int = 10, rounds: int = 3, warmup: int = 3):
+        self.cuda, self.reps, self.rounds, self.warmup = cuda, reps, max(1, rounds), warmup
+        self.modes: dict[str, str] = {}
+
+    def describe(self) -> str:
+        how = "CUDA events around eager calls" if self.cuda else "CPU perf_counter (numbers mean nothing)"
+        return (f"{how}, {self.warmup} warm-up calls, {self.reps} timed calls per way in each of "
+                f"{self.rounds} rounds, ways interleaved, median; no graph, no L2 flush")
+
+    def many(self, fns: dict[str, Fn]) -> dict[str, float]:
+        """{key: median seconds per call} of every callable, timed interleaved."""
+        import torch
+
+        self.modes = {key: "eager" for key in fns}
+        samples: dict[str, list[float]] = {key: [] for key in fns}
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        for _ in range(self.rounds):
+            for key, fn in fns.items():
+                if self.cuda:
+                    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                              for _ in range(self.reps)]
+                    for start, end in events:
+                        start.record()
+                        fn()
+                        end.record()
+                    torch.cuda.synchronize()
+                    samples[key] += [s.elapsed_time(e) / 1e3 for s, e in events]
+                else:
+                    for _ in range(self.reps):
+                        t0 = time.perf_counter()
+                        fn()
+                        samples[key].append(time.perf_counter() - t0)
+        return {key: statistics.median(v) for key, v in samples.items()}
 
 
 class CpuTimer:

@@ -172,8 +172,10 @@ def build(way: str, ops: Operands, compiled: CompiledEager | None = None) -> Cal
     raise ValueError(f"unknown way {way!r}; known: {', '.join(WAY_NAMES)}")
 
 
-def fast_liger_autotune(warmup_ms: float, rep_ms: float) -> bool:
-    """Make Liger's inference-kernel autotuner time each config with a shorter do_bench.
+def fast_liger_autotune(warmup_ms: float, rep_ms: float,
+                        kernels: tuple[str, ...] = ("_swiglu_kernel_forward_inference",)) -> bool:
+    """Make Liger's MLP autotuners (`liger_kernel.ops.mlp.<kernels>`, by default the inference
+    kernel's) time each config with a shorter do_bench.
 
     Liger tunes 32 configs per (K, I, M bucket) with do_bench(warmup=25, rep=100): about 4 s
     per bucket, 9 buckets per shape, which alone would take minutes of the run. Shorter
@@ -181,13 +183,15 @@ def fast_liger_autotune(warmup_ms: float, rep_ms: float) -> bool:
     chosen config is then timed exactly like every other way.
 
     Returns:
-        True if the autotuner was found and changed.
+        True if every autotuner named was found and changed.
     """
     from triton.testing import do_bench
     from liger_kernel.ops import mlp
 
-    tuner = getattr(mlp, "_swiglu_kernel_forward_inference", None)
-    if tuner is None or not hasattr(tuner, "_do_bench"):
-        return False
-    tuner._do_bench = lambda fn, quantiles: do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
-    return True
+    found = 0
+    for name in kernels:
+        tuner = getattr(mlp, name, None)
+        if tuner is not None and hasattr(tuner, "_do_bench"):
+            tuner._do_bench = lambda fn, quantiles: do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
+            found += 1
+    return found == len(kernels)

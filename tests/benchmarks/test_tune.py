@@ -10,14 +10,16 @@ import torch
 
 from benchmarks import tune
 from benchmarks.harness.shapes import SHAPES, TP_SHARD_SHAPES
-from swiglu_patch.kernels import dispatch, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv
+from swiglu_patch.kernels import (dispatch, gated_backward_pointer, gated_backward_tma, gated_gemm_pointer,
+                                  gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from swiglu_patch.kernels.epilogue import GatedEpilogue
-from swiglu_patch.kernels.rules import KERNELS
+from swiglu_patch.kernels.rules import BACKWARD_KERNELS, KERNELS
 
 MODULES = {"pointer": gated_gemm_pointer, "tma": gated_gemm_tma, "grid": gated_gemm_tma_grid, "gemv": gated_gemv}
+BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma": gated_backward_tma}
 
 SWEEP_TOKENS = {"buckets": [1, 32, 64, 128, 512, 8192], "decode": [1, 16], "gemv": [1], "grid": [2, 32, 64, 128],
-                "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512]}
+                "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512], "backward": [4096], "preact": [4096]}
 
 
 def _shipped(k, i):
@@ -40,8 +42,13 @@ def test_every_candidate_is_a_config_its_kernel_takes(sweep):
             labels = [tune.label(k, c) for k, c in cands]
             assert len(labels) == len(set(labels)), (sweep, m, labels)
             for kernel, config in cands:
+                if sweep == "backward":
+                    assert kernel in BACKWARD_KERNELS
+                    BACKWARD_MODULES[kernel].make_launcher(config, epilogue, torch.bfloat16)  # raises if refused
+                    continue
                 assert kernel in KERNELS
-                MODULES[kernel].make_launcher(config, epilogue, False, torch.bfloat16)  # raises if refused
+                MODULES[kernel].make_launcher(config, epilogue, False, torch.bfloat16,
+                                              **({"store_preact": True} if sweep == "preact" else {}))
                 assert config.block_n % 16 == 0 or kernel == "pointer"  # whole gate/up blocks per TMA box / GEMV
 
 
@@ -59,6 +66,35 @@ def test_dry_run_checks_and_times_against_the_shipped_rule(tmp_path):
     assert all(r["config"]["block_m"] == 16 for r in timed)
     md = (tmp_path / "tune.md").read_text()
     assert "# Sweep `decode` (float16)" in md and "bucket 1:" in md and "bucket 8:" in md
+
+
+@pytest.mark.parametrize("sweep", ["backward", "preact"])
+def test_the_training_sweeps_check_both_outputs_against_float64(tmp_path, sweep):
+    assert tune.main(["--dry-run", "--out", str(tmp_path), "--sweep", sweep, "--tokens", "7", "33",
+                      "--shapes", "tiny-silu"]) == 0
+    rows = json.loads((tmp_path / "tune.json").read_text())["rows"]
+    assert {r["op"] for r in rows} == {sweep} and {r["m"] for r in rows} == {7, 33}
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {r["role"] for r in ok} == {"shipped", "candidate"}, rows
+    assert all(r["ratio"] > 0 and r["rel_err"] < 2e-3 for r in ok)
+
+
+def test_a_wrong_output_fails_the_check():
+    from benchmarks.harness.accuracy import Reference
+    from benchmarks.harness.sweep_ops import build_op
+    from swiglu_patch import pack_gate_up
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up, x = torch.randn(40, 32, generator=gen), torch.randn(40, 32, generator=gen), torch.randn(9, 32, generator=gen)
+    stacked = torch.cat([gate, up])
+    for name in ("forward", "preact", "backward"):
+        op = build_op(name, x, pack_gate_up(gate, up).weight, stacked, "silu", Reference(gate, up, "silu").gated,
+                      torch.arange(9), gen)
+        fn, outs = op.make("pointer" if name != "backward" else "backward_pointer", None)
+        fn()
+        assert op.error(outs) < 1e-5, name
+        outs[-1][3].mul_(1.01)  # one row of the last output 1% off
+        assert 1e-4 < op.error(outs) < 1.0, name
 
 
 def test_gemv_needs_whole_blocks_and_is_recorded_not_timed(tmp_path):
