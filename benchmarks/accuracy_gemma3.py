@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     report = run_eval(str(ckpt), config)
     if args.interpret_tokens and args.device == "cpu":
         sub = args.out / "triton_interpret"
-        # float32: Triton's interpreter computes tl.dot on bf16 operands wrongly (FACTS.md)
+        # float32: Triton's CPU interpreter computes tl.dot on bf16 operands wrongly
         cmd = [sys.executable, "-m", "swiglu_patch.cli", "eval", "--model", str(ckpt), "--dtype", "float32",
                "--device", "cpu", "--backend", "triton", "--text", str(text),
                "--window", str(min(args.window, args.interpret_tokens)), "--max-tokens", str(args.interpret_tokens),

@@ -38,7 +38,7 @@ def run(model, mixed_precision: str) -> list[float]:
 @pytest.mark.parametrize("mixed_precision,rtol", [("no", 1e-5), ("bf16", 2e-2)])
 def test_accelerator_matches_unpatched(mixed_precision, rtol, backend):
     if backend == "triton" and mixed_precision == "bf16" and not torch.cuda.is_available():
-        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (FACTS.md); bf16 autocast runs on the GPU")
+        pytest.skip("Triton's CPU interpreter computes tl.dot on bf16 operands wrongly; bf16 autocast runs on the GPU")
     base = tiny_model("llama")
     ref = run(copy.deepcopy(base), mixed_precision)
     model = copy.deepcopy(base)

@@ -45,7 +45,7 @@ def check_against_float64(ours, eager, ref64, what):
 @pytest.mark.parametrize("backend", train_backends())
 def test_bf16_autocast(backend):
     if backend == "triton" and not CUDA:
-        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (FACTS.md); bf16 autocast runs on the GPU")
+        pytest.skip("Triton's CPU interpreter computes tl.dot on bf16 operands wrongly; bf16 autocast runs on the GPU")
     ids = token_batches(1, 2, 12, 128)[0]
     base = tiny_model("llama")
     ref64 = logits_and_grads(copy.deepcopy(base).double(), ids, autocast=False)
@@ -65,7 +65,7 @@ def test_bf16_autocast(backend):
 @pytest.mark.parametrize("backend", train_backends())
 def test_bf16_weights(backend):
     if backend == "triton" and not CUDA:
-        pytest.skip("Triton's interpreter computes bf16 tl.dot wrongly (FACTS.md); bf16 weights run on the GPU")
+        pytest.skip("Triton's CPU interpreter computes tl.dot on bf16 operands wrongly; bf16 weights run on the GPU")
     ids = token_batches(1, 2, 12, 128)[0]
     base = tiny_model("llama", dtype=torch.bfloat16)
     ref64 = logits_and_grads(copy.deepcopy(base).double(), ids, autocast=False)
