@@ -1,15 +1,14 @@
 """PEFT LoRA on a patched model: adapters on gate/up ride inside the fused gated GEMM.
 
-Two ways in, the same model out:
+Either order, with the user's own `LoraConfig`:
 
-    # patch, then LoRA: the LoraConfig is registered for the packed projections
+    config = LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"])
+
+    apply_fused_mlp(model)                   # patch, then LoRA
+    model = get_peft_model(model, config)
+
+    model = get_peft_model(model, config)    # LoRA, then patch
     apply_fused_mlp(model)
-    model = get_peft_model(model, swiglu_patch.lora.register(LoraConfig(target_modules=[...])))
-
-    # LoRA, then patch: PEFT's own layers are moved onto the fused modules
-    model = get_peft_model(model, LoraConfig(target_modules=[...]))
-    with swiglu_patch.lora.adapters_aside(model):
-        apply_fused_mlp(model)
 
 Either way ``gate_proj`` and ``up_proj`` (or Phi-3's ``gate_up_proj``) of each fused MLP are
 `PackedLoraLinear` layers: PEFT's own `lora.Linear` with the same ``lora_A``/``lora_B``
@@ -20,14 +19,26 @@ plain PEFT `lora.Linear`. `merge_and_unload`, `unload`, `disable_adapter`, `set_
 several adapters and `save_pretrained` of the adapter behave as with plain PEFT, and merging
 writes the packed rows. The full state dict keeps plain PEFT's keys (``gate_proj.base_layer.weight``).
 
+How each order gets there:
+- patch, then LoRA: importing this module (`apply_fused_mlp` does when PEFT is installed)
+  wraps PEFT's `LoraModel.inject_adapter`, which every way of adding a LoRA adapter goes
+  through (`get_peft_model`, `add_adapter`, `load_adapter`, `PeftModel.from_pretrained`,
+  `inject_adapter_in_model`). On a model holding packed projections it registers
+  `PackedLoraLinear` for `PackedProjection` on that config (PEFT's custom-module mapping,
+  `register`), lists the packed projections in ``target_modules="all-linear"`` as PEFT lists
+  the nn.Linear layers, and refuses an option the fused GEMM cannot run before PEFT changes
+  anything. Other tuners and models without packed projections see PEFT unchanged.
+- LoRA, then patch: `apply_fused_mlp` sets PEFT's layers on the gated MLPs aside while it
+  patches (`lora_layers_aside`, `adapters_aside`) and puts each back around the fused module's
+  marker, the same object with the same adapters.
+
 `adapters_aside` also unpatches a model with adapters (``with adapters_aside(model):
 unpatch(model)``): the layers go back to plain `lora.Linear` over the restored nn.Linear.
 
 Refused, each with the reason: QLoRA and other quantized bases (a bitsandbytes base under the
 LoRA layer), DoRA and the other LoRA variants, ``lora_bias``, initialisations that read or
-rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, EVA, LoRA-GA, ...), ``target_modules=
-"all-linear"`` with `register` (the markers are not nn.Linear, so PEFT would skip gate and up),
-and PEFT's mixed-batch ``adapter_names`` on the packed projections.
+rewrite the base weight (PiSSA, OLoRA, CorDA, LoftQ, EVA, LoRA-GA, ...) on the packed
+projections, and PEFT's mixed-batch ``adapter_names`` on them.
 """
 
 from __future__ import annotations
@@ -41,17 +52,18 @@ try:
     from peft import LoraConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
     from peft.tuners.lora.layer import LoraLayer
-    from peft.tuners.tuners_utils import check_adapters_to_merge
+    from peft.tuners.lora.model import LoraModel
+    from peft.tuners.tuners_utils import (
+        _maybe_include_all_linear_layers,
+        check_adapters_to_merge,
+        check_target_module_exists,
+    )
 except ImportError as e:  # an optional dependency
     raise ImportError(f"swiglu_patch.lora needs PEFT ({e}): pip install peft") from e
 
-from .module import PackedProjection
-from .registry import KNOWN_MLP_CLASSES, STRUCTURES
+from .module import FusedGatedMLP, PackedProjection
+from .registry import KNOWN_MLP_CLASSES, MLPFamily, structure_of
 
-# Names under which gated MLPs keep their projections (what a QLoRA refusal looks for).
-_PROJECTIONS = frozenset(
-    n for f in (*KNOWN_MLP_CLASSES.values(), *STRUCTURES) for n in (f.gate, f.up, f.gate_up_chunked, f.down) if n
-)
 _INITS = (True, False, "gaussian")  # initialisations that touch only A and B
 
 
@@ -63,8 +75,8 @@ def _unsupported(config: LoraConfig) -> str | None:
         return "lora_bias=True is not supported on the packed projections"
     if config.init_lora_weights not in _INITS:
         return (f"init_lora_weights={config.init_lora_weights!r} reads or rewrites the base weight; supported on "
-                f"the packed projections: {_INITS} (or initialise before patching: get_peft_model, then "
-                "adapters_aside + apply_fused_mlp)")
+                f"the packed projections: {_INITS} (or initialise before patching: get_peft_model on the unpatched "
+                "model, then apply_fused_mlp)")
     return None
 
 
@@ -161,40 +173,81 @@ class PackedLoraLinear(LoraLinear):
 
 
 def register(config: LoraConfig) -> LoraConfig:
-    """Let PEFT wrap the packed projections of a patched model: `get_peft_model(model, register(config))`.
+    """Register `PackedLoraLinear` for `PackedProjection` on `config` (PEFT's custom-module mapping).
 
-    Registers `PackedLoraLinear` for `PackedProjection` through PEFT's custom-module mapping
-    (`LoraConfig._register_custom_module`); the config's saved form (``adapter_config.json``)
-    is unchanged. Load a saved adapter onto a patched model with
-    ``PeftModel.from_pretrained(model, path, config=register(LoraConfig.from_pretrained(path)))``.
+    Not needed with `get_peft_model` and the other PEFT entry points, which do it themselves on
+    a patched model (see the module docstring); kept for code that builds LoRA layers outside
+    `LoraModel`. The config's saved form (``adapter_config.json``) is unchanged.
 
     Args:
-        config: a `peft.LoraConfig` naming its targets explicitly.
+        config: a `peft.LoraConfig`.
 
     Returns:
         The same config, registered.
 
     Raises:
         TypeError: not a LoraConfig.
-        ValueError: ``target_modules="all-linear"`` (it picks nn.Linear layers only, so gate and up
-            of a patched model would be skipped; list the names, or call get_peft_model before
-            apply_fused_mlp), or an option the fused GEMM cannot run (`_unsupported`).
+        ValueError: an option the fused GEMM cannot run (`_unsupported`).
     """
     if not isinstance(config, LoraConfig):
         raise TypeError(f"swiglu_patch.lora.register: expected a peft.LoraConfig, got {type(config).__name__}")
-    targets = config.target_modules
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        raise ValueError(
-            "swiglu_patch.lora.register: target_modules='all-linear' selects torch.nn.Linear layers, and a patched "
-            "model's gate/up projections are packed (PackedProjection), so PEFT would skip them. List the modules "
-            "(e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']), or call "
-            "get_peft_model before apply_fused_mlp (inside swiglu_patch.lora.adapters_aside)"
-        )
     reason = _unsupported(config)
     if reason:
         raise ValueError(f"swiglu_patch.lora.register: {reason}")
     config._register_custom_module({PackedProjection: PackedLoraLinear})
     return config
+
+
+# -- patch, then LoRA: PEFT's injection learns the packed projections ---------------------------
+
+
+def fit_config(config: LoraConfig, model: nn.Module) -> None:
+    """Make a LoRA config fit a model holding packed projections, before PEFT injects it.
+
+    Lists the packed projections in ``target_modules="all-linear"`` (PEFT lists nn.Linear
+    layers, which the markers are not), refuses an option the fused GEMM cannot run when the
+    config targets a packed projection, and registers `PackedLoraLinear` for them. A model
+    without packed projections is left alone.
+
+    Args:
+        config: the LoraConfig PEFT is about to inject.
+        model: the model it injects into.
+
+    Raises:
+        ValueError: the config targets a packed projection with DoRA or another LoRA variant,
+            ``lora_bias`` or an initialisation that reads the base weight; nothing is changed.
+    """
+    markers = [path.removesuffix(".base_layer") for path, m in model.named_modules() if isinstance(m, PackedProjection)]
+    if not markers:
+        return
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear":
+        _maybe_include_all_linear_layers(config, model)  # PEFT's own list: nn.Linear layers and LoRA ones
+        config.target_modules = set(config.target_modules) | set(markers)
+    targeted = [path for path in markers if check_target_module_exists(config, path)]
+    reason = _unsupported(config) if targeted else None
+    if reason:
+        raise ValueError(
+            f"swiglu_patch.lora: cannot put this LoRA adapter on {targeted[0]}, a projection packed by "
+            f"apply_fused_mlp: {reason}. Leave gate/up out of target_modules, or unpatch first "
+            "(swiglu_patch.unpatch(model)) and train it with plain PEFT"
+        )
+    config._register_custom_module({PackedProjection: PackedLoraLinear})
+
+
+def _inject_adapter(self, model, adapter_name, *args, **kwargs):
+    """PEFT's `LoraModel.inject_adapter`, after `fit_config` of the adapter's config."""
+    config = self.peft_config[adapter_name]
+    if type(self) is LoraModel and isinstance(config, LoraConfig):
+        fit_config(config, model)
+    return _inject_adapter.peft(self, model, adapter_name, *args, **kwargs)
+
+
+if getattr(LoraModel.inject_adapter, "peft", None) is None:  # once per process
+    _inject_adapter.peft = LoraModel.inject_adapter
+    LoraModel.inject_adapter = _inject_adapter
+
+
+# -- LoRA, then patch: PEFT's layers set aside while the MLPs are fused -------------------------
 
 
 def _quantized_base(layer: LoraLayer) -> str | None:
@@ -205,6 +258,9 @@ def _quantized_base(layer: LoraLayer) -> str | None:
 
 
 def _check_wrapper(path: str, layer: LoraLayer) -> None:
+    if type(layer) not in (LoraLinear, PackedLoraLinear):
+        raise ValueError(f"swiglu_patch.lora: {path} is a {type(layer).__module__}.{type(layer).__name__}; the fused "
+                         "GEMM runs PEFT's lora.Linear on gate/up only")
     if layer.lora_variant:
         raise ValueError(f"swiglu_patch.lora: {path} uses a LoRA variant ({', '.join(layer.lora_variant)}: "
                          f"{type(next(iter(layer.lora_variant.values()))).__name__}), which the fused GEMM cannot run")
@@ -212,41 +268,68 @@ def _check_wrapper(path: str, layer: LoraLayer) -> None:
         raise ValueError(f"swiglu_patch.lora: {path} has lora_bias=True, which the packed projections do not support")
 
 
+def _gated_family(module: nn.Module) -> MLPFamily | None:
+    """Where `module` keeps its projections if it is a gated MLP (fused or not), else None."""
+    if isinstance(module, FusedGatedMLP):
+        return module.family
+    family = KNOWN_MLP_CLASSES.get(type(module).__name__)
+    return family if family is not None else structure_of(module)
+
+
+def _gated_lora_layers(model: nn.Module) -> list[tuple[str, LoraLayer]]:
+    """[(path, layer)] of the PEFT LoRA layers to set aside: those on gate/up of a gated MLP (checked),
+    and plain `lora.Linear` ones on its down projection.
+
+    Raises:
+        ValueError: a LoRA layer over a bitsandbytes base (QLoRA), or gate/up LoRA the fused GEMM
+            cannot run (a LoRA variant, lora_bias, another LoRA layer class).
+    """
+    found = []
+    for parent_path, parent in model.named_modules():
+        family = None
+        for name, child in parent._modules.items():
+            if not isinstance(child, LoraLayer):
+                continue
+            family = family or _gated_family(parent)
+            if family is None or name not in family.projections:
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            quantized = _quantized_base(child)
+            if quantized:
+                raise ValueError(
+                    f"swiglu_patch.lora: {path} is a LoRA layer over a bitsandbytes {quantized} base (QLoRA). The "
+                    "fused gated GEMM reads bf16/fp16/fp32 weights, so QLoRA is not supported: load the base model "
+                    "in bf16 (no quantization_config) to patch it, or train QLoRA without swiglu-patch"
+                )
+            if name in family.packed:
+                _check_wrapper(path, child)
+                found.append((path, child))
+            elif type(child) is LoraLinear:
+                found.append((path, child))
+    return found
+
+
 @contextmanager
 def adapters_aside(model: nn.Module):
-    """Patch or unpatch a model that PEFT has wrapped, keeping its LoRA layers.
+    """Patch or unpatch a model that PEFT has wrapped, keeping its LoRA layers on the gated MLPs.
 
-    On entry every PEFT LoRA `Linear` of the model is replaced by its base layer; on exit each
-    goes back around whatever stands at its place then: a `PackedLoraLinear` around a
+    `apply_fused_mlp` does this itself; `unpatch` of a model with adapters needs it
+    (``with adapters_aside(model): unpatch(model)``). On entry every PEFT LoRA layer on gate/up
+    and every plain `lora.Linear` on down of a gated MLP is replaced by its base layer; on exit
+    each goes back around whatever stands at its place then: a `PackedLoraLinear` around a
     `PackedProjection` (after `apply_fused_mlp`), a plain `lora.Linear` around an nn.Linear
     (after `unpatch`, or where nothing was patched). The layers keep their identity, so their
     parameters, adapters, merged state and an optimizer's references to them are unchanged.
-
-        model = get_peft_model(model, LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"]))
-        with swiglu_patch.lora.adapters_aside(model):
-            apply_fused_mlp(model)
+    LoRA layers elsewhere (attention, embeddings) are not touched.
 
     Args:
         model: a PEFT model, or any module holding PEFT LoRA layers.
 
     Raises:
         ValueError: a LoRA layer over a bitsandbytes (4-bit or 8-bit) base at a gated MLP's
-            projection (QLoRA), a LoRA variant (DoRA, ...) or lora_bias; nothing is changed.
+            projection (QLoRA), a LoRA variant (DoRA, ...) or lora_bias on gate/up; nothing is changed.
     """
-    aside = []
-    for path, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
-        quantized = _quantized_base(layer)
-        if quantized and path.rpartition(".")[2] in _PROJECTIONS:
-            raise ValueError(
-                f"swiglu_patch.lora: {path} is a LoRA layer over a bitsandbytes {quantized} base (QLoRA). The fused "
-                "gated GEMM reads bf16/fp16/fp32 weights, so QLoRA is not supported: load the base model in bf16 "
-                "(no quantization_config) to patch it, or train QLoRA without swiglu-patch"
-            )
-        if type(layer) in (LoraLinear, PackedLoraLinear):
-            _check_wrapper(path, layer)
-            aside.append((path, layer))
+    aside = _gated_lora_layers(model)
     for path, layer in aside:
         _set(model, path, layer.base_layer)
     try:
@@ -255,6 +338,16 @@ def adapters_aside(model: nn.Module):
         for path, layer in aside:
             _rebase(path, layer, model.get_submodule(path))
             _set(model, path, layer)
+
+
+def lora_layers_aside(model: nn.Module):
+    """`adapters_aside(model)` when PEFT LoRA layers sit on `model`'s gated MLPs, else None
+    (what `apply_fused_mlp` patches a PEFT model under).
+
+    Raises:
+        ValueError: as `adapters_aside`.
+    """
+    return adapters_aside(model) if _gated_lora_layers(model) else None
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:

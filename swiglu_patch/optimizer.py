@@ -8,6 +8,9 @@ keep their memory alive. So:
 - the old parameters are marked when they are packed (`mark_packed`, from the fused module),
   and a global optimizer step pre-hook raises on the step of any optimizer that holds one,
   naming the fix;
+- an optimizer that has already stepped (mid-training: every optimizer's step is recorded,
+  weakly, from this module's import on) and holds a parameter being packed gets a warning at
+  patch time. Nothing else warns: an optimizer built after patching holds no old parameter;
 - `repoint_optimizer(optimizer)` is the fix for an optimizer that must live on (mid-training,
   a schedule already attached): in each param group it puts the packed parameter where the
   gate parameter was and drops the up one, and packs their state the same way as the
@@ -20,6 +23,7 @@ Building the optimizer after patching (as `transformers.Trainer` does) needs nei
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -32,6 +36,15 @@ from .kernels.layout import interleave_gate_up
 # old parameter (by identity, held weakly) -> (weakref to the fused module, packed attribute, half)
 _PACKED = WeakIdKeyDictionary()
 _hook = None
+_STEPPED = weakref.WeakSet()  # optimizers that have taken a step (eager), held weakly
+
+
+def _record_step(optimizer, args, kwargs):
+    if not torch.compiler.is_compiling():  # a compiled step is not traced through this
+        _STEPPED.add(optimizer)
+
+
+register_optimizer_step_pre_hook(_record_step)
 
 
 def mark_packed(fused: nn.Module, consumed: dict[tuple[str, str], nn.Parameter]) -> None:
@@ -41,6 +54,8 @@ def mark_packed(fused: nn.Module, consumed: dict[tuple[str, str], nn.Parameter])
         fused: the `FusedGatedMLP` holding the packed parameters.
         consumed: {(half, suffix): old parameter}, half "gate", "up" or "gate_up" (chunked),
             suffix "weight" or "bias".
+
+    Warns (UserWarning) when an optimizer that has stepped holds one of them.
     """
     global _hook
     for (half, suffix), param in consumed.items():
@@ -48,6 +63,16 @@ def mark_packed(fused: nn.Module, consumed: dict[tuple[str, str], nn.Parameter])
             _PACKED[param] = (weakref.ref(fused), "gate_up_interleaved" + ("_bias" if suffix == "bias" else ""), half)
     if _PACKED and _hook is None:
         _hook = register_optimizer_step_pre_hook(_refuse_stale_parameters)
+    packed = {id(p) for p in consumed.values() if p.requires_grad}
+    holders = [o for o in list(_STEPPED) if any(id(p) in packed for g in o.param_groups for p in g["params"])]
+    if holders:
+        warnings.warn(
+            f"apply_fused_mlp: an optimizer ({type(holders[0]).__name__}) holds gate/up parameters that are now "
+            "packed into gate_up_interleaved; the model no longer uses them, and its next step() raises. Move it "
+            "onto the packed parameters with swiglu_patch.optimizer.repoint_optimizer(optimizer) (its state moves "
+            "too), or build the optimizer after patching",
+            stacklevel=3,
+        )
 
 
 def _stale(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:

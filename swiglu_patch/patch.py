@@ -13,13 +13,14 @@ A module is replaced only when it is shown to compute what the fused module runs
 
 from __future__ import annotations
 
-import warnings
+import importlib.util
+from os import PathLike
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import tensor_parallel
+from . import experts, tensor_parallel
 from .functional import BACKENDS
 from .kernels.epilogue import ACTIVATIONS, GatedEpilogue
 from .module import FusedGatedMLP
@@ -33,7 +34,7 @@ from .registry import (
     structure_of,
     supported_model_types,
 )
-from .report import MOE_EXPERTS, NotPatched, PatchReport
+from .report import NotPatched, PatchReport
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -58,6 +59,7 @@ class Gated:
     family: MLPFamily | None
     known: bool = False
     reason: str | None = None
+    experts: bool = False
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -71,10 +73,10 @@ def find_gated(model: nn.Module) -> tuple[list[Gated], list[str]]:
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue  # inside a module already found: its projections, not MLPs of their own
-        if isinstance(module, FusedGatedMLP):
+        if isinstance(module, FusedGatedMLP) or experts.is_switched(module):
             fused.append(name)
         elif _is_experts(module):
-            found.append(Gated(name, module, None, reason=MOE_EXPERTS))
+            found.append(Gated(name, module, None, experts=True))
         elif type(module).__name__ in KNOWN_MLP_CLASSES:
             found.append(Gated(name, module, KNOWN_MLP_CLASSES[type(module).__name__], known=True))
         elif (family := structure_of(module)) is not None:
@@ -241,6 +243,15 @@ def _replace(model: nn.Module, name: str, module: nn.Module, family: MLPFamily, 
     return fused
 
 
+def _require_module(fn: str, model: object) -> None:
+    """TypeError naming what to pass unless `model` is an nn.Module (a hub id or path is not loaded for you)."""
+    if not isinstance(model, nn.Module):
+        name = repr(model) if isinstance(model, (str, type(None))) else type(model).__name__
+        source = repr(str(model)) if isinstance(model, (str, PathLike)) else "..."
+        raise TypeError(f"{fn}: expected a loaded model (a torch.nn.Module), got {name[:100]}; load it first, e.g. "
+                        f"model = AutoModelForCausalLM.from_pretrained({source[:100]})")
+
+
 def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "auto") -> PatchReport:
     """Replace every gated MLP of `model` that is shown to be exact with a `FusedGatedMLP`, in place.
 
@@ -264,9 +275,17 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
             the gated MLP, quantized or non-Linear projections, meta/offloaded weights, an
             unsupported activation or setting), or the model has no gated MLP at all.
         ValueError: unknown backend.
+        TypeError: `model` is not an nn.Module (a hub id or path: load it first).
     """
+    _require_module("apply_fused_mlp", model)
     if backend not in BACKENDS:
         raise ValueError(f"apply_fused_mlp: backend must be one of {BACKENDS}, got {backend!r}")
+    if importlib.util.find_spec("peft") is not None:  # PEFT in either order (swiglu_patch.lora)
+        from .lora import lora_layers_aside
+
+        if (aside := lora_layers_aside(model)) is not None:  # a PEFT model: its LoRA layers go onto the fused MLPs
+            with aside:
+                return apply_fused_mlp(model, strict=strict, backend=backend)
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     found, fused_names = find_gated(model)
     report = PatchReport(model_type=model_type, already_patched=fused_names, training=model.training)
@@ -283,9 +302,10 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         try:
             if g.reason:
                 raise ValueError(g.reason)
-            plan.append((g, plan_one(g, proven)))
+            plan.append((g, experts.plan_experts(g.module, proven) if g.experts else plan_one(g, proven)))
         except ValueError as e:
             report.not_patched.append(NotPatched(g.name, type(g.module).__name__, str(e)))
+    plan = _experts_by_config(found, plan, report)
     report.probes = len(proven)
     if strict and report.not_patched:
         first, more = report.not_patched[0], len(report.not_patched) - 1
@@ -296,22 +316,38 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
                ". None of the model's gated modules can be patched; strict=False returns the report without raising.")
         )
 
+    previous = {id(g.module.config): g.module.config._experts_implementation for g, _ in plan if g.experts}
     for g, epilogue in plan:
+        if g.experts:  # the experts module stays; its config now picks the fused experts kernels
+            experts.switch(g.module, epilogue, backend, previous[id(g.module.config)])
+            report.patched.append(g.name)
+            report.experts[g.name] = epilogue
+            continue
         fused = _replace(model, g.name, g.module, g.family, epilogue, backend)
         report.patched.append(g.name)
         report.epilogues[g.name] = epilogue
         if not g.known:
             report.by_structure.append(g.name)
         report.trainable |= fused.gate_up_interleaved.requires_grad
-    if report.trainable and report.training:  # from_pretrained returns eval mode: inference patches stay quiet
-        warnings.warn(
-            "apply_fused_mlp: the patched gate/up weights require grad. Build the optimizer after patching: the "
-            "packed gate_up_interleaved parameters replace gate_proj/up_proj, so an optimizer built before holds "
-            "parameters the model no longer uses (swiglu_patch.optimizer.repoint_optimizer(opt) moves it over). "
-            "For PEFT LoRA on gate/up, pass the LoraConfig through swiglu_patch.lora.register(config).",
-            stacklevel=2,
-        )
     return report
+
+
+def _experts_by_config(found: list[Gated], plan: list, report: PatchReport) -> list:
+    """`plan` less the experts modules that share a config with one that cannot be fused (now
+    listed in the report): transformers reads the experts implementation from the config, so
+    the modules of one config switch together or not at all."""
+    refused = {n.name for n in report.not_patched}
+    blocked = {id(g.module.config): g.name for g in found
+               if g.experts and g.name in refused and getattr(g.module, "config", None) is not None}
+    kept = []
+    for g, spec in plan:
+        if g.experts and id(g.module.config) in blocked:
+            report.not_patched.append(NotPatched(
+                g.name, type(g.module).__name__, f"shares its config with {blocked[id(g.module.config)]}, which cannot "
+                "be fused, and transformers picks the experts implementation per config"))
+        else:
+            kept.append((g, spec))
+    return kept
 
 
 def unpatch(model: nn.Module) -> int:
@@ -322,16 +358,21 @@ def unpatch(model: nn.Module) -> int:
 
     Returns:
         The number of MLPs restored.
+
+    Raises:
+        TypeError: `model` is not an nn.Module.
     """
+    _require_module("unpatch", model)
+    restored = experts.restore(model)
     fused = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedGatedMLP)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
         original = module.restore()
         tensor_parallel.restore_sharding(module, original)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, original)
-    return len(fused)
+    return len(fused) + restored
 
 
 def is_patched(model: nn.Module) -> bool:
-    """True if any MLP in `model` is a `FusedGatedMLP`."""
-    return any(isinstance(m, FusedGatedMLP) for m in model.modules())
+    """True if any MLP in `model` is a `FusedGatedMLP` or any experts module runs on the fused experts kernels."""
+    return any(isinstance(m, FusedGatedMLP) or experts.is_switched(m) for m in model.modules())

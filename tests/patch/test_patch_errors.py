@@ -78,6 +78,16 @@ def test_unknown_backend():
         apply_fused_mlp(tiny_model("llama"), backend="cutlass")
 
 
+@pytest.mark.parametrize("fn", ["apply_fused_mlp", "unpatch"])
+@pytest.mark.parametrize("model", ["a/hub-id", None])
+def test_a_model_that_is_not_loaded_names_what_to_pass(fn, model):
+    import swiglu_patch
+
+    with pytest.raises(TypeError, match=rf"{fn}: expected a loaded model \(a torch.nn.Module\), got {model!r}; load "
+                                        r"it first, e.g. model = AutoModelForCausalLM.from_pretrained\("):
+        getattr(swiglu_patch, fn)(model)
+
+
 def test_kernel_backend_trains_like_the_reference():
     """With weights that require grad the fused module runs the training op (swiglu_patch.training):
     the Triton path's gradients equal the PyTorch reference's (fp32; the interpreter on CPU)."""

@@ -13,7 +13,6 @@ from training_common import token_batches, train_backends
 
 from swiglu_patch import apply_fused_mlp
 from swiglu_patch.kernels.layout import interleave_gate_up
-from swiglu_patch.lora import register
 
 
 def grads(model, ids, mlp_calls: int = 1) -> dict[str, torch.Tensor]:
@@ -63,7 +62,7 @@ def test_lora_gradients(reentrant, backend):
     patched = copy.deepcopy(base)
     apply_fused_mlp(patched, backend=backend)
     torch.manual_seed(0)
-    model = get_peft_model(patched, register(LoraConfig(**config)))
+    model = get_peft_model(patched, LoraConfig(**config))
     plain = grads(model, ids)
     # PEFT's recipe: the frozen embeddings' output must require grad for reentrant checkpointing
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

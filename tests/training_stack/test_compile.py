@@ -54,8 +54,6 @@ def test_compiled_lora_step_matches_eager_plain_peft(backend):
     the losses and trained adapters of the eager step on the unpatched model with plain PEFT."""
     from peft import LoraConfig, get_peft_model
 
-    from swiglu_patch.lora import register
-
     torch._dynamo.reset()
     batches = token_batches(3, 2, 12, 128)
     base = tiny_model("llama", num_hidden_layers=1)
@@ -67,7 +65,7 @@ def test_compiled_lora_step_matches_eager_plain_peft(backend):
     model = copy.deepcopy(base)
     apply_fused_mlp(model, backend=backend)
     torch.manual_seed(0)
-    model = get_peft_model(model, register(LoraConfig(**config)))
+    model = get_peft_model(model, LoraConfig(**config))
     losses = run(model, batches, compiled=True)
     assert_losses_close(losses, ref_losses, 1e-5, "compiled patched LoRA step vs eager plain PEFT")
     ref_adapters = {k: v for k, v in ref.named_parameters() if "lora_" in k}

@@ -1,6 +1,7 @@
 """PEFT LoRA on a patched model (`swiglu_patch.lora`), in both orders, against plain PEFT on the
 unpatched model: training (losses, adapters, dropout masks), saved adapters, merged weights,
-unload, several adapters, unpatching, and the refusals (QLoRA, DoRA, all-linear, ...).
+unload, several adapters, unpatching, and the refusals (QLoRA, DoRA, ...). The user's own LoraConfig
+in either order: no `swiglu_patch.lora.register`, no `adapters_aside` (except to unpatch).
 
 Tiny Llama (gate_proj/up_proj) and Phi-3 (one chunked gate_up_proj); fp32.
 """
@@ -40,12 +41,11 @@ def peft_pair(family: str, order: str, backend: str = "torch", **overrides):
     if order == "patch_then_peft":
         apply_fused_mlp(ours, backend=backend)
         torch.manual_seed(0)
-        ours = get_peft_model(ours, register(lora_config(family, **overrides)))
+        ours = get_peft_model(ours, lora_config(family, **overrides))
     else:
         torch.manual_seed(0)
         ours = get_peft_model(ours, lora_config(family, **overrides))
-        with adapters_aside(ours):
-            apply_fused_mlp(ours, backend=backend)
+        apply_fused_mlp(ours, backend=backend)
     init, ref_init = get_peft_model_state_dict(ours), get_peft_model_state_dict(ref)
     assert init.keys() == ref_init.keys(), "PEFT targeted other modules than on the unpatched model"
     assert all(torch.equal(init[k], ref_init[k]) for k in init), "adapters drawn in another order than plain PEFT's"
@@ -96,7 +96,7 @@ def test_lora_trains_through_the_fused_op(family, backend, monkeypatch):
     """With the Triton backend, adapters on gate/up and on down_proj train inside the fused op:
     the forward runs the low-rank segment storing P, and the backward GEMM takes down_proj's
     adapter gradient as dh_in; no fallback path runs."""
-    from swiglu_patch.kernels import dispatch_training
+    from swiglu_patch.kernels import dispatch as dispatch_training
 
     calls = []
     for name in ("gated_gemm_low_rank", "gated_backward"):
@@ -140,10 +140,7 @@ def test_saved_adapter_merge_and_unload_match_plain_peft(family, order, backend,
     # the saved adapter loads onto a freshly patched base
     patched = copy.deepcopy(base)
     apply_fused_mlp(patched, backend=backend)
-    with pytest.raises(ValueError, match="swiglu_patch.lora.register"):
-        PeftModel.from_pretrained(copy.deepcopy(patched), tmp_path / "ours")
-    loaded = PeftModel.from_pretrained(patched, tmp_path / "ours",
-                                       config=register(LoraConfig.from_pretrained(tmp_path / "ours")))
+    loaded = PeftModel.from_pretrained(patched, tmp_path / "ours")
     with torch.no_grad():
         assert rel_err(loaded(ids).logits, ref_logits) < 1e-6
 
@@ -167,7 +164,7 @@ def test_several_adapters_disable_and_merge_round_trip(order):
     _, ref, ours = peft_pair("llama", order, init_lora_weights=False)
     second = dict(r=2, lora_alpha=3, init_lora_weights=False)
     ref.add_adapter("second", lora_config("llama", **second))
-    ours.add_adapter("second", register(lora_config("llama", **second)))
+    ours.add_adapter("second", lora_config("llama", **second))
     set_peft_model_state_dict(ours, get_peft_model_state_dict(ref, adapter_name="second"), adapter_name="second")
     ids = token_batches(1, 2, 9, 128)[0]
     ref.eval(), ours.eval()
@@ -204,26 +201,27 @@ def test_unpatch_keeps_adapters_only_when_set_aside(family):
 def test_unsupported_options_are_refused():
     patched = tiny_model("llama")
     apply_fused_mlp(patched, backend="torch")
-    with pytest.raises(ValueError, match="all-linear"):
-        register(LoraConfig(target_modules="all-linear"))
+    before = {k: v.clone() for k, v in patched.state_dict().items()}
+    for options, words in [(dict(use_dora=True), "DoRA"), (dict(init_lora_weights="pissa"), "reads or rewrites"),
+                           (dict(lora_bias=True), "lora_bias")]:
+        with pytest.raises(ValueError, match=f"gate_proj, a projection packed by apply_fused_mlp: .*{words}"):
+            get_peft_model(patched, lora_config("llama", **options))
+        assert all(type(m) is not LoraLinear for m in patched.modules()), "PEFT changed the model before refusing"
+    assert patched.state_dict().keys() == before.keys()
+    # the same options on layers that are not packed are plain PEFT's business
+    get_peft_model(copy.deepcopy(patched), lora_config("llama", use_dora=True, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="DoRA"):
         register(lora_config("llama", use_dora=True))
-    with pytest.raises(ValueError, match="reads or rewrites the base weight"):
-        register(lora_config("llama", init_lora_weights="pissa"))
     with pytest.raises(TypeError, match="LoraConfig"):
         register(dict(r=4))
-    # plain PEFT (not registered) meets the marker and says what to do
-    with pytest.raises(ValueError, match="swiglu_patch.lora.register"):
-        get_peft_model(copy.deepcopy(patched), lora_config("llama"))
 
     dora = get_peft_model(tiny_model("llama"), lora_config("llama", use_dora=True))
     before = {k: v.clone() for k, v in dora.state_dict().items()}
     with pytest.raises(ValueError, match="LoRA variant"):
-        with adapters_aside(dora):
-            apply_fused_mlp(dora, backend="torch")
+        apply_fused_mlp(dora, backend="torch")
     assert all(torch.equal(v, before[k]) for k, v in dora.state_dict().items())
 
-    ours = get_peft_model(patched, register(lora_config("llama")))
+    ours = get_peft_model(patched, lora_config("llama"))
     ours.eval()
     with pytest.raises(NotImplementedError, match="adapter_names"):
         ours(token_batches(1, 2, 5, 128)[0], adapter_names=["default", "__base__"])
@@ -240,6 +238,5 @@ def test_qlora_is_refused(tmp_path):
         apply_fused_mlp(copy.deepcopy(model))
     qlora = get_peft_model(model, lora_config("llama"))
     with pytest.raises(ValueError, match="QLoRA"):
-        with adapters_aside(qlora):
-            apply_fused_mlp(qlora)
+        apply_fused_mlp(qlora)
     assert type(mlp(qlora).gate_proj).__name__ == "Linear4bit" and mlp(qlora).gate_proj.base_layer is not None

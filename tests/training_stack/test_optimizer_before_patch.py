@@ -5,6 +5,7 @@ on exactly as the unpatched model's would (fp32, AdamW and SGD with momentum, Ll
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -70,3 +71,33 @@ def test_gate_and_up_in_different_groups_are_refused():
     only_gate = torch.optim.AdamW(copy.copy(gates), lr=1e-2)
     with pytest.raises(ValueError, match="but not up"):
         repoint_optimizer(only_gate)
+
+
+def _optimizer_warnings(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in caught if "optimizer" in str(w.message)]
+
+
+def test_patching_warns_only_when_an_optimizer_holds_the_old_weights():
+    """Mid-training (an optimizer that has stepped holds gate/up): one warning naming the fix.
+    Built after patching (the README's order), or built before but not stepped yet (its first
+    step raises, above): no warning."""
+    ids = token_batches(1, 2, 8, 128)[0]
+    model = tiny_model("llama").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    found = _optimizer_warnings(lambda: apply_fused_mlp(model, backend="torch"))
+    assert found and all("repoint_optimizer" in w and "AdamW" in w for w in found), found
+
+    readme = tiny_model("llama")
+    assert _optimizer_warnings(lambda: apply_fused_mlp(readme.train(), backend="torch")) == []
+    after = torch.optim.AdamW(readme.parameters(), lr=1e-3)
+    assert _optimizer_warnings(lambda: (readme(ids, labels=ids).loss.backward(), after.step())) == []
+
+    unstepped = tiny_model("llama").train()
+    held = torch.optim.SGD(unstepped.parameters(), lr=0.1)
+    assert _optimizer_warnings(lambda: apply_fused_mlp(unstepped, backend="torch")) == []
+    assert held.param_groups[0]["params"], "the optimizer was alive while patching"

@@ -16,7 +16,6 @@ from training_common import assert_losses_close, token_batches, train_backends
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from swiglu_patch import apply_fused_mlp
-from swiglu_patch.lora import register
 
 STEPS = 8
 
@@ -65,7 +64,7 @@ def test_trainer_trains_lora_on_patched_model(tmp_path):
     patched = copy.deepcopy(base)
     apply_fused_mlp(patched, backend="torch")
     torch.manual_seed(0)
-    ours = get_peft_model(patched, register(LoraConfig(**config)))
+    ours = get_peft_model(patched, LoraConfig(**config))
     losses, _ = run_trainer(ours, tmp_path / "ours", learning_rate=2e-2, save_strategy="steps", save_steps=STEPS)
     assert losses[-1] < losses[0], losses
     assert_losses_close(losses, ref_losses, 1e-5, "Trainer + LoRA, patched vs unpatched")
