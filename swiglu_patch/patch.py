@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import experts, tensor_parallel
+from . import tensor_parallel
 from .functional import BACKENDS
 from .kernels.epilogue import ACTIVATIONS, GatedEpilogue
 from .module import FusedGatedMLP
@@ -34,7 +34,7 @@ from .registry import (
     structure_of,
     supported_model_types,
 )
-from .report import NotPatched, PatchReport
+from .report import MOE_EXPERTS, NotPatched, PatchReport
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -59,7 +59,6 @@ class Gated:
     family: MLPFamily | None
     known: bool = False
     reason: str | None = None
-    experts: bool = False
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -73,10 +72,10 @@ def find_gated(model: nn.Module) -> tuple[list[Gated], list[str]]:
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue  # inside a module already found: its projections, not MLPs of their own
-        if isinstance(module, FusedGatedMLP) or experts.is_switched(module):
+        if isinstance(module, FusedGatedMLP):
             fused.append(name)
         elif _is_experts(module):
-            found.append(Gated(name, module, None, experts=True))
+            found.append(Gated(name, module, None, reason=MOE_EXPERTS))
         elif type(module).__name__ in KNOWN_MLP_CLASSES:
             found.append(Gated(name, module, KNOWN_MLP_CLASSES[type(module).__name__], known=True))
         elif (family := structure_of(module)) is not None:
@@ -302,10 +301,9 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         try:
             if g.reason:
                 raise ValueError(g.reason)
-            plan.append((g, experts.plan_experts(g.module, proven) if g.experts else plan_one(g, proven)))
+            plan.append((g, plan_one(g, proven)))
         except ValueError as e:
             report.not_patched.append(NotPatched(g.name, type(g.module).__name__, str(e)))
-    plan = _experts_by_config(found, plan, report)
     report.probes = len(proven)
     if strict and report.not_patched:
         first, more = report.not_patched[0], len(report.not_patched) - 1
@@ -316,13 +314,7 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
                ". None of the model's gated modules can be patched; strict=False returns the report without raising.")
         )
 
-    previous = {id(g.module.config): g.module.config._experts_implementation for g, _ in plan if g.experts}
     for g, epilogue in plan:
-        if g.experts:  # the experts module stays; its config now picks the fused experts kernels
-            experts.switch(g.module, epilogue, backend, previous[id(g.module.config)])
-            report.patched.append(g.name)
-            report.experts[g.name] = epilogue
-            continue
         fused = _replace(model, g.name, g.module, g.family, epilogue, backend)
         report.patched.append(g.name)
         report.epilogues[g.name] = epilogue
@@ -330,24 +322,6 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
             report.by_structure.append(g.name)
         report.trainable |= fused.gate_up_interleaved.requires_grad
     return report
-
-
-def _experts_by_config(found: list[Gated], plan: list, report: PatchReport) -> list:
-    """`plan` less the experts modules that share a config with one that cannot be fused (now
-    listed in the report): transformers reads the experts implementation from the config, so
-    the modules of one config switch together or not at all."""
-    refused = {n.name for n in report.not_patched}
-    blocked = {id(g.module.config): g.name for g in found
-               if g.experts and g.name in refused and getattr(g.module, "config", None) is not None}
-    kept = []
-    for g, spec in plan:
-        if g.experts and id(g.module.config) in blocked:
-            report.not_patched.append(NotPatched(
-                g.name, type(g.module).__name__, f"shares its config with {blocked[id(g.module.config)]}, which cannot "
-                "be fused, and transformers picks the experts implementation per config"))
-        else:
-            kept.append((g, spec))
-    return kept
 
 
 def unpatch(model: nn.Module) -> int:
@@ -363,16 +337,15 @@ def unpatch(model: nn.Module) -> int:
         TypeError: `model` is not an nn.Module.
     """
     _require_module("unpatch", model)
-    restored = experts.restore(model)
     fused = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedGatedMLP)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
         original = module.restore()
         tensor_parallel.restore_sharding(module, original)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, original)
-    return len(fused) + restored
+    return len(fused)
 
 
 def is_patched(model: nn.Module) -> bool:
-    """True if any MLP in `model` is a `FusedGatedMLP` or any experts module runs on the fused experts kernels."""
-    return any(isinstance(m, FusedGatedMLP) or experts.is_switched(m) for m in model.modules())
+    """True if any MLP in `model` is a `FusedGatedMLP`."""
+    return any(isinstance(m, FusedGatedMLP) for m in model.modules())
