@@ -79,6 +79,9 @@ DRY_CHECKS = [("tiny", 33, 64, 96, "float16", {"activation": "silu"}, True, 1.0)
               ("tiny clamp", 7, 40, 37, "float32", {"activation": "gelu_tanh", "limit": 2.0}, True, 4.0)]
 
 
+# -- memory --------------------------------------------------------------------------------
+
+
 def _free(device):
     import torch
 
@@ -248,7 +251,7 @@ def print_correctness(r: dict) -> None:
               f"[{r['epilogue']}{', biases' if r['bias'] else ''}] {mode}: {detail}", flush=True)
 
 
-# -- 2. parts (section 3 of the run) ------------------------------------------------------------------------------
+# -- 3. parts ------------------------------------------------------------------------------
 
 
 def parts(row: Row, device, timer: EventTimer) -> dict:
@@ -259,7 +262,6 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
     from swiglu_patch.kernels import dispatch
 
     training = entry_points()  # gated_gemm_with_preact, gated_backward
-
     dtype = getattr(torch, row.dtype)
     m, k, i = row.m, row.k, row.i
     x, dy = torch.randn(m, k, device=device, dtype=dtype), torch.randn(m, k, device=device, dtype=dtype)
@@ -285,7 +287,7 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
             zip(fns.items(), times.values())}
 
 
-# -- 3. the table --------------------------------------------------------------------------
+# -- 2. the table --------------------------------------------------------------------------
 
 
 def _step(module, x, dy):
