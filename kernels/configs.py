@@ -1,12 +1,26 @@
-"""One launch configuration of a gated GEMM kernel, and the M buckets configs are chosen by.
+"""One launch configuration of a gated GEMM kernel, what a kernel file can run, and the M buckets.
 
-Which kernel runs and with which config is decided by `dispatch.py` from the table in
-`rules.py`; a config never implies a kernel.
+- `GatedGemmConfig`: tile and launch parameters of one call; a config never implies a kernel.
+- `KernelCapability`: what one kernel file declares it can run (its ``CAPABILITY``): the ops it
+  serves, its dtypes, whether it reads and writes through TMA descriptors, its features.
+- `TMA_DTYPES`, `TMA_NEEDS`, `tma_fits`: the TMA kernels' constraint on a call, stated here
+  once (`device.tma_operands_ok` checks the tensors against it).
+
+Which kernel runs and with which config is decided by `dispatch.py` from the table in `rules.py`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from .layout import GATE_UP_BLOCK
+
+ALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TMA_DTYPES = (torch.bfloat16, torch.float16)
+TMA_NEEDS = ("bf16/fp16 tensors with unit inner strides, 16-byte-aligned rows and base pointers, "
+             f"and I % {GATE_UP_BLOCK} == 0")
 
 # The low-rank (LoRA) segment's step along R, in the pointer and TMA kernels: tl.dot's least K.
 LOW_RANK_BLOCK = 16
@@ -68,3 +82,52 @@ def m_bucket(m: int) -> int:
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for ints (triton.cdiv is a jit function: slow to call from the host's hot path)."""
     return -(-a // b)
+
+
+def tma_fits(dtype: torch.dtype, i: int) -> bool:
+    """The TMA kernels' dtype and shape condition: 16-bit, whole gate/up blocks (the alignment of
+    the tensors themselves is `device.tma_aligned`)."""
+    return dtype in TMA_DTYPES and i % GATE_UP_BLOCK == 0
+
+
+@dataclass(frozen=True)
+class KernelCapability:
+    """What one kernel file can run: the planner (`dispatch.py`) reads it, the kernel never does.
+
+    Attributes:
+        name: the kernel's name in the rules (`rules.py`).
+        ops: the rule tables it serves: "forward" (the gated GEMM), "backward" (dY @ Wd with
+            the gated derivative).
+        features: what it can add to a call of those ops: "store_preact" (writes P [M, 2*I]),
+            "low_rank" (the LoRA segment x_lr @ b_lr^T), "dh_in" (a further gradient of h).
+        dtypes: the dtypes of the tensors it takes.
+        tma: reads and writes through TMA descriptors: the call must meet `TMA_NEEDS`.
+        one_token: M == 1 only, with whole gate/up blocks (the GEMV).
+    """
+
+    name: str
+    ops: tuple[str, ...]
+    features: frozenset[str] = frozenset()
+    dtypes: tuple[torch.dtype, ...] = ALL_DTYPES
+    tma: bool = False
+    one_token: bool = False
+
+    @property
+    def runs_every_call(self) -> bool:
+        """Needs nothing of the tensors: the planner skips its `can_run`."""
+        return not (self.tma or self.one_token) and self.dtypes == ALL_DTYPES
+
+    def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True) -> bool:
+        """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
+        alignment); `can_run` in its file decides the same on the tensors."""
+        if dtype not in self.dtypes or (self.one_token and (m != 1 or i % GATE_UP_BLOCK)):
+            return False
+        return not self.tma or (tma_fits(dtype, i) and tma_aligned)
+
+    def needs(self) -> str:
+        """What a call must meet, as text for error messages."""
+        if self.tma:
+            return TMA_NEEDS
+        if self.one_token:
+            return f"M == 1 and I % {GATE_UP_BLOCK} == 0"
+        return "floating-point tensors in " + "/".join(str(d).replace("torch.", "") for d in self.dtypes)

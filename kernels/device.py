@@ -3,7 +3,8 @@
 - `gpu_name`, `num_sms`, `capability`: from the CUDA device properties;
 - `interpreting`: whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 at
   the time Triton decorated them);
-- `tma_aligned`, `tma_operands_ok`: whether tensors can be read or written through TMA descriptors.
+- `tma_aligned`, `tma_operands_ok`: whether tensors can be read or written through TMA descriptors
+  (the constraint is `configs.TMA_NEEDS`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from functools import lru_cache
 
 import torch
 import triton
+
+from .configs import tma_fits
 
 
 @lru_cache(maxsize=16)
@@ -51,11 +54,13 @@ def tma_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def tma_operands_ok(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """The TMA kernels' operands: 16-bit x, whole gate/up blocks (I % 16 == 0), TMA-aligned x,
-    weight [2*I, K] and out [M, I]. Whether the GPU has TMA is the rules' business."""
-    return (
-        x.dtype in (torch.bfloat16, torch.float16)
-        and (weight.shape[0] // 2) % 16 == 0
-        and tma_aligned(x) and tma_aligned(weight) and tma_aligned(out)
-    )
+def tma_operands_ok(i: int, *tensors: torch.Tensor | None) -> bool:
+    """A call a TMA kernel can run (`configs.TMA_NEEDS`): `configs.tma_fits` for the first
+    tensor's dtype and intermediate size i, and every tensor given (None skipped) TMA-aligned.
+    Whether the GPU has TMA is the rules' business."""
+    if not tma_fits(tensors[0].dtype, i):
+        return False
+    for t in tensors:  # a loop, not all(generator): this runs on every call's hot path
+        if t is not None and not tma_aligned(t):
+            return False
+    return True

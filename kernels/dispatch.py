@@ -1,20 +1,27 @@
-"""`gated_gemm`: the one entry point to the kernels, choosing a named kernel by `rules.RULES`.
+"""The planner: which kernel runs each call of every op, from `rules.TABLES`; and the entry points.
 
-    out[M, I] = epilogue(x @ Wg^T + bg, x @ Wu^T + bu)        (layout: `layout.py`)
+    forward   out[M, I] = epilogue(x @ Wg^T + bg, x @ Wu^T + bu)              (layout: `layout.py`)
+    backward  dP [M, 2*I] and h [M, I] from dY [M, K], Wd [K, I] and P (`gated_backward_pointer.py`)
 
-For a call, the candidates are the rules that match its device, M, K, I and capture state, in
-table order; the first whose kernel can run the call's tensors launches. The candidate list
-and each kernel's launch keywords are built once per (device, dtype, K, I, M bucket, captured,
-bias, epilogue) and kept in a small table of plain values (no tensors), so a call costs the
-argument checks, one dictionary lookup and the launch. Every rule bound on M is at a bucket
-edge (`configs.m_bucket`: powers of two, and one past them), which a test checks, so one
-entry per bucket is exact.
+Entry points and their ops (`OPS`: op -> its table in `rules.TABLES`, the features it needs):
+`gated_gemm` "forward"; `gated_gemm_with_preact` "forward_preact" (stores P for the backward);
+`gated_gemm_low_rank` "forward_low_rank[_preact]" (LoRA); `gated_backward` "backward[_dh_in]".
 
-`explain(...)` says which rule a call takes and why each earlier rule did not match
-(`swiglu-patch explain` on the command line).
+A call's candidates are the rules of its op's table matching its device, M bucket, K, I and
+capture state, in table order, whose kernel serves the table and has the op's features (the
+kernel file's ``CAPABILITY``, a `configs.KernelCapability`); the first whose ``can_run``
+accepts the tensors launches (each table ends with rules whose kernel runs every call). The
+launchers are built once per call signature and kept in one table of plain values, `_PLANS`
+(no tensors): a repeated call costs its checks, one dictionary lookup and the launch
+(`gated_gemm`, the inference hot path, checks its arguments only when it builds a plan). Rule
+bounds on M sit at bucket edges (`configs.m_bucket`; a test checks), so a plan per bucket is
+exact. A call that names its kernel or config takes `_forced`. `explain(..., op=)` says which
+rule a call takes and why each earlier one did not; `choose` returns it.
 
-Training's entry points (the forward that stores the pre-activation, the backward GEMM, the
-low-rank segment) are in `dispatch_training`, which builds on this module.
+A new op family (grouped MoE GEMMs, say) needs no new dispatcher: kernel files whose
+``CAPABILITY.ops`` names its table, with ``can_run`` and ``make_launcher``, listed in
+`_KERNEL_FILES`; its table in `rules.TABLES` and its ops in `OPS`; and an entry point that
+checks its operands and calls `_launch` (call key, plan variant, launcher factory, tensors).
 """
 
 from __future__ import annotations
@@ -23,19 +30,34 @@ import dataclasses
 
 import torch
 
-from . import gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv
+from . import (gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid,
+               gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
-from .rules import DEFAULT_CONFIGS, KERNELS, RULES, Rule
+from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank_operands, check_operands,
+                       default_approx_tanh, output, resolve_approx_tanh)
+from .rules import DEFAULT_CONFIGS, TABLES, Rule
 
-_MODULES = {"gemv": gated_gemv, "pointer": gated_gemm_pointer, "grid": gated_gemm_tma_grid, "tma": gated_gemm_tma}
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_KERNEL_FILES = (gated_gemv, gated_gemm_pointer, gated_gemm_tma_grid, gated_gemm_tma, gated_backward_pointer,
+                 gated_backward_tma)
+MODULES = {module.CAPABILITY.name: module for module in _KERNEL_FILES}  # kernel name -> its file
+OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABLES, features its kernel needs)
+    "forward": ("forward", frozenset()),
+    "forward_preact": ("forward", frozenset({"store_preact"})),
+    "forward_low_rank": ("forward", frozenset({"low_rank"})),
+    "forward_low_rank_preact": ("forward", frozenset({"low_rank", "store_preact"})),
+    "backward": ("backward", frozenset()),
+    "backward_dh_in": ("backward", frozenset({"dh_in"})),
+}
+__all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "explain",
+           "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreting",
+           "mismatch", "refusal", "resolve_approx_tanh"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CallKey:
-    """What the choice of kernel depends on, apart from the tensors' alignment."""
+    """What the choice of kernel depends on, apart from the op and the tensors' alignment."""
 
     gpu: str  # CUDA device name, or "cpu"
     capability: tuple[int, int] | None
@@ -46,11 +68,6 @@ class CallKey:
     captured: bool
 
 
-def _within(value: int, bounds: tuple[int | None, int | None]) -> bool:
-    low, high = bounds
-    return (low is None or value >= low) and (high is None or value <= high)
-
-
 def mismatch(rule: Rule, key: CallKey) -> str | None:
     """Why `rule` does not match the call `key`, or None if it does."""
     if rule.captured is not None and rule.captured != key.captured:
@@ -58,12 +75,22 @@ def mismatch(rule: Rule, key: CallKey) -> str | None:
     if rule.gpus and not any(g in key.gpu for g in rule.gpus):
         return f"GPU {key.gpu!r} is not one of {', '.join(rule.gpus)}"
     if rule.min_capability and (key.capability is None or key.capability < rule.min_capability):
-        return f"needs compute capability {'.'.join(map(str, rule.min_capability))}+, this is {key.capability or 'no GPU'}"
-    for name, bounds in (("M", rule.m), ("K", rule.k), ("I", rule.i)):
-        value = getattr(key, name.lower())
-        if not _within(value, bounds):
-            return f"{name} = {value} is outside {bounds[0] or ''}..{bounds[1] or ''}"
+        need = ".".join(map(str, rule.min_capability))
+        return f"needs compute capability {need}+, this is {key.capability or 'no GPU'}"
+    for name, (low, high), value in (("M", rule.m, key.m), ("K", rule.k, key.k), ("I", rule.i, key.i)):
+        if (low is not None and value < low) or (high is not None and value > high):
+            return f"{name} = {value} is outside {low or ''}..{high or ''}"
     return None
+
+
+def _lacks(kernel: str, op: str) -> str | None:
+    """What `kernel` lacks to serve `op` (a table it does not serve, missing features), or None."""
+    table, features = OPS[op]
+    cap = MODULES[kernel].CAPABILITY
+    if table not in cap.ops:
+        return f"serves {', '.join(cap.ops)}, not {table}"
+    missing = features - cap.features
+    return f"has no {', '.join(sorted(missing))}" if missing else None
 
 
 def _fit_dtype(config: GatedGemmConfig, dtype: torch.dtype) -> GatedGemmConfig:
@@ -71,76 +98,75 @@ def _fit_dtype(config: GatedGemmConfig, dtype: torch.dtype) -> GatedGemmConfig:
     return dataclasses.replace(config, block_k=max(16, config.block_k // 2)) if dtype == torch.float32 else config
 
 
-def candidates(key: CallKey) -> list[tuple[int, Rule]]:
-    """(index, rule) of every rule matching `key`, in table order."""
-    return [(n, r) for n, r in enumerate(RULES) if mismatch(r, key) is None]
+def candidates(key: CallKey, op: str = "forward") -> list[tuple[int, Rule]]:
+    """(index, rule) of every rule of op's table that matches `key` and whose kernel serves op, in table order."""
+    table = TABLES[OPS[op][0]]
+    return [(n, r) for n, r in enumerate(table) if _lacks(r.kernel, op) is None and mismatch(r, key) is None]
 
 
-# Per call signature (see `_signature`) the candidates' (can_run or None, launcher), in rule order.
-# Plain values only: predicates and launchers (closures over configs and constexprs), no tensors.
+# Per call signature the candidates' (can_run or None, launcher), in rule order: `gated_gemm`'s
+# signatures (`_signature`) and (op, CallKey, variant) for the other entry points. Plain values
+# only: predicates and launchers (closures over configs and constexprs), no tensors.
 _PLANS: dict[tuple, tuple] = {}
 _BUCKETS = [m_bucket(m) for m in range(8193)]
 
 
-def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
-               approx_tanh: bool | None) -> tuple:
-    """Everything the plan and the argument checks depend on, as one hashable tuple: a call whose
-    signature was seen before needs neither again."""
-    m, k = x.shape
-    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, k, weight.dtype,
-            weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
-            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(),
-            x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+def _build(op: str, key: CallKey, make) -> tuple:
+    """Op's plan for `key`: per candidate (can_run, None if it runs every call; make(module, config))."""
+    modules = [(MODULES[r.kernel], r.config) for _, r in candidates(key, op)]
+    return tuple((None if m.CAPABILITY.runs_every_call else m.can_run, make(m, _fit_dtype(c, key.dtype)))
+                 for m, c in modules)
 
 
-def _build_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
-                approx_tanh: bool | None, captured: bool) -> tuple:
-    check_operands("gated_gemm", x, weight, bias)
-    approx = resolve_approx_tanh(x, approx_tanh)
-    epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
-    plan = []
-    for _, rule in candidates(_call_key(x, weight.shape[0] // 2, captured)):
-        config = _fit_dtype(rule.config, x.dtype)
-        module = _MODULES[rule.kernel]
-        plan.append((None if module is gated_gemm_pointer else module.can_run,
-                     module.make_launcher(config, epi, bias is not None, x.dtype)))
-    return tuple(plan)
+def _launch(fn: str, op: str, key: CallKey, variant: tuple, make, can_args: tuple, launch_args: tuple,
+            kernel: str, config: GatedGemmConfig | None):
+    """Run op's call: its plan's first candidate that can run `can_args` (kernel "auto", no config),
+    or the named kernel (`_forced`), launched on `launch_args`."""
+    if kernel == "auto" and config is None:
+        plan = _PLANS.get((op, key, variant))
+        if plan is None:
+            plan = _PLANS[op, key, variant] = _build(op, key, make)
+        for can_run, launch in plan:
+            if can_run is None or can_run(*can_args):
+                return launch(*launch_args)
+        raise AssertionError(f"rules.TABLES[{OPS[op][0]!r}] ends with rules whose kernel runs every call")
+    return make(*_forced(fn, op, key, kernel, config, can_args))(*launch_args)
 
 
-def _call_key(x: torch.Tensor, i: int, captured: bool, m: int | None = None) -> CallKey:
-    m = m_bucket(x.shape[0] if m is None else m)
+def _forced(fn: str, op: str, key: CallKey, kernel: str, config: GatedGemmConfig | None, can_args: tuple):
+    """(kernel module, config) for a call naming its kernel or config: a config runs as given; None
+    takes `rules.DEFAULT_CONFIGS`, else the kernel's GPU-independent rule at the call's M (at
+    least its rules' least M), fitted to the dtype."""
+    names = tuple(name for name in MODULES if _lacks(name, op) is None)
+    if kernel == "auto":
+        raise ValueError(f"{fn}: a config needs the kernel it is for: pass kernel= one of {names}")
+    if kernel not in names:
+        raise ValueError(f"{fn}: kernel must be 'auto' or one of {names} (the kernels for {op}), got {kernel!r}")
+    module = MODULES[kernel]
+    if not module.can_run(*can_args):
+        raise ValueError(f"{fn}: kernel={kernel!r} needs {module.CAPABILITY.needs()}; got {can_args[0].dtype} "
+                         f"tensors of shapes {[tuple(t.shape) for t in can_args if t is not None]}; use kernel='auto'")
+    if config is not None:
+        return module, config
+    config = DEFAULT_CONFIGS.get(kernel)
+    if config is None:
+        rules = [r for r in TABLES[OPS[op][0]] if r.kernel == kernel and not r.gpus]
+        least = min(r.m[0] or 1 for r in rules)
+        generic = dataclasses.replace(key, gpu="", capability=(9, 0), captured=False, m=m_bucket(max(key.m, least)))
+        config = next(r.config for r in rules if mismatch(r, generic) is None)
+    return module, _fit_dtype(config, key.dtype)
+
+
+def _call_key(x: torch.Tensor, i: int, captured: bool) -> CallKey:
+    m = m_bucket(x.shape[0])
     if x.is_cuda:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured)
     return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured)
 
 
-def default_approx_tanh(x: torch.Tensor) -> bool:
-    """Whether silu and gelu_tanh take `tanh.approx.f32` by default: for bf16/fp16 x on the GPU.
-    Its error (at most 2^-11 of tanh) is below a 16-bit output's rounding; fp32 keeps exp and a
-    reciprocal, and the CPU interpreter runs no inline PTX."""
-    return x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not interpreting()
-
-
-def check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Raise an error naming the problem and the fix for operands the kernels cannot take."""
-    if weight.dim() != 2 or weight.shape[0] % 2 or weight.shape[0] == 0:
-        raise ValueError(f"{fn}: the packed weight must be [2*I, K] with I >= 1, got shape {tuple(weight.shape)}")
-    if x.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"{fn}: x must be [M, {weight.shape[1]}] (the weight's K), got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{fn}: the Triton kernels take floating-point tensors in bfloat16, float16 or float32, got "
-                        f"{x.dtype}; cast x and the weight, or use backend='torch'")
-    if weight.dtype != x.dtype or weight.device != x.device:
-        raise TypeError(f"{fn}: the weight must match x's dtype and device ({x.dtype} on {x.device}), got "
-                        f"{weight.dtype} on {weight.device}; cast one with .to()")
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype
-                             or bias.device != x.device):
-        raise ValueError(f"{fn}: the bias must be [{weight.shape[0]}] ({x.dtype} on {x.device}), got "
-                         f"{tuple(bias.shape)} ({bias.dtype} on {bias.device})")
-    if x.dtype == torch.bfloat16 and not x.is_cuda and interpreting():
-        raise TypeError(f"{fn}: Triton's CPU interpreter computes bfloat16 matrix products wrongly; run bf16 on "
-                        "the GPU, use float16/float32 with TRITON_INTERPRET=1, or use backend='torch'")
+def _tf32(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
 
 
 def gated_gemm(
@@ -153,7 +179,7 @@ def gated_gemm(
     kernel: str = "auto",
     approx_tanh: bool | None = None,
 ) -> torch.Tensor:
-    """Launch the fused gated GEMM on 2-D x.
+    """Launch the fused gated GEMM on 2-D x (op "forward").
 
     Args:
         x: [M, K], any strides, bf16/fp16/fp32 (bf16 only on the GPU).
@@ -161,9 +187,8 @@ def gated_gemm(
         epilogue: a `GatedEpilogue`, or an activation name for the plain act(gate) * up.
         bias: optional [2*I] interleaved bias, x's dtype, any strides (copied if not contiguous).
         out: optional [M, I] output to write (any strides); allocated if None.
-        config: a launch config for `kernel` (None: the rule's, or the named kernel's default).
-        kernel: "auto" (the first rule of `rules.RULES` that matches and can run the call), or
-            one of `rules.KERNELS` to force it (ValueError if it cannot run these tensors).
+        config: a launch config for `kernel`, run as given (None: the rule's, or the kernel's default).
+        kernel: "auto" (the planner's choice), or one of `rules.KERNELS` to force it.
         approx_tanh: silu and gelu_tanh through PTX `tanh.approx.f32`; None: `default_approx_tanh`.
 
     Returns:
@@ -175,12 +200,16 @@ def gated_gemm(
     if type(epilogue) is not GatedEpilogue:
         epilogue = GatedEpilogue.of(epilogue)
     if kernel != "auto" or config is not None or x.dim() != 2:
-        check_operands("gated_gemm", x, weight, bias)
-        return _forced(x, weight, bias, out, epilogue, resolve_approx_tanh(x, approx_tanh), config, kernel)
+        return _forward("gated_gemm", "forward", x, weight, None, None, epilogue, bias, out, None, config, kernel,
+                        approx_tanh)[0]
     signature = _signature(x, weight, bias, epilogue, approx_tanh)
     plan = _PLANS.get(signature)
     if plan is None:
-        plan = _PLANS[signature] = _build_plan(x, weight, bias, epilogue, approx_tanh, signature[-2])
+        check_operands("gated_gemm", x, weight, bias)
+        epi = dict(epilogue.constexprs(), APPROX_TANH=resolve_approx_tanh(x, approx_tanh))
+        has_bias, dtype = bias is not None, x.dtype
+        plan = _PLANS[signature] = _build("forward", _call_key(x, weight.shape[0] // 2, signature[-2]),
+                                          lambda module, cfg: module.make_launcher(cfg, epi, has_bias, dtype))
     m = x.shape[0]
     if out is None:
         out = x.new_empty((m, weight.shape[0] >> 1))
@@ -194,95 +223,228 @@ def gated_gemm(
     raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
 
 
-def resolve_approx_tanh(x: torch.Tensor, approx_tanh: bool | None, fn: str = "gated_gemm") -> bool:
-    """Whether a call on x takes `tanh.approx.f32`: the caller's choice, or `default_approx_tanh`.
-
-    Raises:
-        ValueError: approx_tanh=True under the CPU interpreter (`fn` names the caller)."""
-    if approx_tanh is None:
-        return default_approx_tanh(x)
-    if approx_tanh and interpreting():
-        raise ValueError(f"{fn}: approx_tanh=True needs the GPU (inline PTX `tanh.approx.f32`), which "
-                         "Triton's CPU interpreter cannot run; pass approx_tanh=None or False")
-    return approx_tanh
+def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, epilogue: GatedEpilogue,
+               approx_tanh: bool | None) -> tuple:
+    """Everything `gated_gemm`'s plan and argument checks depend on, as one hashable tuple: a call
+    whose signature was seen before needs neither again."""
+    m, k = x.shape
+    return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, k, weight.dtype,
+            weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
+            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(), _tf32(x))
 
 
-def _forced(x, weight, bias, out, epilogue, approx_tanh, config, kernel) -> torch.Tensor:
-    """A call that names its kernel or its config (checked arguments; no plan cache)."""
-    if out is None:
-        out = torch.empty((x.shape[0], weight.shape[0] // 2), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0:
-        return out
+def _forward(fn, op, x, weight, x_lr, b_lr, epilogue, bias, out, preact_out, config, kernel, approx_tanh):
+    """The forward ops' checked path: (out, preact or None)."""
+    check_operands(fn, x, weight, bias)
+    if x_lr is not None:
+        check_low_rank_operands(fn, x, weight, x_lr, b_lr)
+    epilogue = GatedEpilogue.of(epilogue)
+    m, n = x.shape[0], weight.shape[0]
+    out = output(fn, "out", out, (m, n >> 1), x)
+    preact = output(fn, "preact_out", preact_out, (m, n), x) if "store_preact" in OPS[op][1] else None
+    if m == 0:
+        return out, preact
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
-    if kernel == "auto":
-        raise ValueError(f"gated_gemm: a config needs the kernel it is for: pass kernel= one of {KERNELS}")
-    if kernel not in _MODULES:
-        raise ValueError(f"gated_gemm: kernel must be 'auto' or one of {KERNELS}, got {kernel!r}")
-    module = _MODULES[kernel]
-    if not module.can_run(x, weight, out):
-        need = {"gemv": "M == 1 and I % 16 == 0",
-                "grid": "bf16/fp16 tensors with unit inner strides, 16-byte-aligned rows and I % 16 == 0",
-                "tma": "bf16/fp16 tensors with unit inner strides, 16-byte-aligned rows and I % 16 == 0"}[kernel]
-        raise ValueError(f"gated_gemm: kernel={kernel!r} needs {need}; got x {tuple(x.shape)} {x.dtype}, "
-                         f"weight {tuple(weight.shape)}; use kernel='auto'")
-    if config is None:
-        config = DEFAULT_CONFIGS.get(kernel)
-        if config is None:  # pointer, tma: the bucket rule for this M (tma: for M >= 65, its least)
-            m = max(x.shape[0], 65) if kernel == "tma" else x.shape[0]
-            key = dataclasses.replace(_call_key(x, weight.shape[0] // 2, False, m), capability=(9, 0), gpu="")
-            config = next(r.config for _, r in candidates(key) if r.kernel == kernel and not r.gpus)
-        config = _fit_dtype(config, x.dtype)
-    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
-    return module.make_launcher(config, epi, bias is not None, x.dtype)(x, weight, bias, out)
+    approx = resolve_approx_tanh(x, approx_tanh, fn)
+    has_bias, store, low_rank, plain = bias is not None, preact is not None, x_lr is not None, op == "forward"
+
+    def make(module, cfg):  # a plain "forward" takes the kernels' plain launchers: the grid kernel has no other
+        extra = () if plain else (store, low_rank)
+        return module.make_launcher(cfg, dict(epilogue.constexprs(), APPROX_TANH=approx), has_bias, x.dtype, *extra)
+
+    if plain:
+        can_args, args = (x, weight, out), (x, weight, bias, out)
+    else:
+        can_args, args = (x, weight, out, preact, x_lr, b_lr), (x, weight, bias, out, preact, x_lr, b_lr)
+    key = _call_key(x, n >> 1, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    _launch(fn, op, key, (epilogue, approx, _tf32(x), has_bias), make, can_args, args, kernel, config)
+    return out, preact
+
+
+def gated_gemm_with_preact(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
+    approx_tanh: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gated_gemm` that also stores the pre-activation P = x @ W^T + b, for the backward (op "forward_preact").
+
+    Args:
+        x, weight, epilogue, bias, out, config, approx_tanh: as `gated_gemm`.
+        preact_out: optional [M, 2*I] tensor (x's dtype and device, any strides) for P, in the
+            packed weight's interleaved column order; allocated if None.
+        kernel: "auto", or a kernel with the "store_preact" feature ("pointer", "tma").
+
+    Returns:
+        (out [M, I], preact [M, 2*I]), x's dtype; P rounded once, before scales and clamps.
+
+    Raises:
+        ValueError, TypeError: operands the kernels cannot take.
+    """
+    return _forward("gated_gemm_with_preact", "forward_preact", x, weight, None, None, epilogue, bias, out, preact_out,
+                    config, kernel, approx_tanh)
+
+
+def gated_gemm_low_rank(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_lr: torch.Tensor,
+    b_lr: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+    bias: torch.Tensor | None = None,
+    store_preact: bool = False,
+    approx_tanh: bool | None = None,
+    out: torch.Tensor | None = None,
+    preact_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated GEMM over [x | x_lr] against [W | b_lr], neither concatenated (LoRA's update).
+
+        P = x @ W^T + x_lr @ b_lr^T + b,   out = epilogue(gate(P), up(P))
+
+    Op "forward_low_rank" ("forward_low_rank_preact" with store_preact): kernels with the
+    "low_rank" feature ("gemv", "pointer", "tma"; the GEMV stores no P); the TMA kernel needs
+    x_lr and b_lr TMA-aligned too (r % 8 == 0 for 16-bit contiguous operands).
+
+    Args:
+        x, weight, epilogue, bias, out, config, approx_tanh: as `gated_gemm`.
+        x_lr, b_lr: [M, r] low-rank input, [2*I, r] weight (packed rows); x's dtype, any strides.
+        store_preact, preact_out: also return P [M, 2*I] (as `gated_gemm_with_preact`).
+        kernel: "auto", or a kernel with the "low_rank" feature (and "store_preact" if asked).
+
+    Returns:
+        (out [M, I], P or None) in x's dtype.
+
+    Raises:
+        ValueError, TypeError: operands the kernels cannot take (the message names the fix).
+    """
+    op = "forward_low_rank_preact" if store_preact else "forward_low_rank"
+    return _forward("gated_gemm_low_rank", op, x, weight, x_lr, b_lr, epilogue, bias, out, preact_out, config, kernel,
+                    approx_tanh)
+
+
+def gated_backward(
+    dy: torch.Tensor,
+    down_weight: torch.Tensor,
+    preact: torch.Tensor,
+    epilogue: GatedEpilogue | str = "silu",
+    dpreact_out: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    config: GatedGemmConfig | None = None,
+    kernel: str = "auto",
+    approx_tanh: bool | None = None,
+    dh_in: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated MLP's backward GEMM dH = dY @ Wd with the epilogue's derivative fused in (op "backward").
+
+    For y = epilogue(P) @ Wd^T (+ bd), P the interleaved pre-activation: dP = (dH * dh/dgate,
+    dH * dh/dup) interleaved as P, and h = epilogue(P) (for dWd = dY^T @ h); dH stays in
+    registers (`gated_backward_pointer.py` has the layout and rounding).
+
+    Args:
+        dy: [M, K] gradient of the MLP's output, any strides; bf16/fp16/fp32 (bf16 only on the GPU).
+        down_weight: Wd, [K, I] (nn.Linear's [out, in]), dy's dtype and device, any strides.
+        preact: P, [M, 2*I], dy's dtype, any strides (as `gated_gemm_with_preact` stores it).
+        epilogue: the forward's `GatedEpilogue` (or activation name).
+        dpreact_out: where dP goes, [M, 2*I]; may be `preact` itself (in place: saves M * 2*I
+            elements); None allocates it.
+        h_out: where h goes, [M, I]; None allocates it.
+        config, kernel, approx_tanh: as `gated_gemm`; kernels: `rules.BACKWARD_KERNELS`.
+        dh_in: optional [M, I] further gradient of h (dy's dtype, any strides), added to dY @ Wd
+            before the derivative (LoRA on the down projection; op "backward_dh_in").
+
+    Returns:
+        (dpreact [M, 2*I], h [M, I]) in dy's dtype.
+
+    Raises:
+        ValueError, TypeError: operands the kernels cannot take (the message names the fix).
+    """
+    fn = "gated_backward"
+    check_backward_operands(fn, dy, down_weight, preact)
+    m, i = dy.shape[0], down_weight.shape[1]
+    epilogue = GatedEpilogue.of(epilogue)
+    if dpreact_out is None:
+        dpreact_out = torch.empty_like(preact, memory_format=torch.contiguous_format)
+    dpreact_out = output(fn, "dpreact_out", dpreact_out, (m, 2 * i), dy)
+    h_out = output(fn, "h_out", h_out, (m, i), dy)
+    if m == 0:
+        return dpreact_out, h_out
+    approx = resolve_approx_tanh(dy, approx_tanh, fn)
+    has_dh_in = dh_in is not None
+    if has_dh_in:
+        output(fn, "dh_in", dh_in, (m, i), dy)
+    args = (dy, down_weight, preact, dpreact_out, h_out, dh_in)
+    key = _call_key(dy, i, dy.is_cuda and torch.cuda.is_current_stream_capturing())
+    gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
+    _launch(fn, "backward_dh_in" if has_dh_in else "backward", key, (epilogue, approx, _tf32(dy)),
+            lambda module, cfg: module.make_launcher(cfg, dict(epilogue.constexprs(), APPROX_TANH=approx), dy.dtype,
+                                                     has_dh_in), args, args, kernel, config)
+    return dpreact_out, h_out
+
+
+def refusal(gpu: str, dtype: torch.dtype) -> str | None:
+    """Why every call on `gpu` in `dtype` is refused before any rule is read, or None."""
+    return BF16_INTERPRETER if gpu == "cpu" and dtype == torch.bfloat16 else None
+
+
+def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op):
+    """(the call key, [(index, rule, why not or None)] up to the chosen rule, which comes last)."""
+    if op not in OPS:
+        raise ValueError(f"explain: op must be one of {tuple(OPS)}, got {op!r}")
+    why = refusal(gpu, dtype)
+    if why is not None:
+        raise ValueError(f"{op} calls in {str(dtype).replace('torch.', '')} on {gpu} are refused: {why}")
+    known = (9, 0) if any(h in gpu for h in ("H100", "H200", "H20", "GH200")) else None
+    key = CallKey(gpu, capability_ or known, dtype, m_bucket(m), k, i, captured)
+    walk = []
+    for n, rule in enumerate(TABLES[OPS[op][0]]):
+        cap = MODULES[rule.kernel].CAPABILITY
+        lacks = _lacks(rule.kernel, op)
+        why_not = f"the {rule.kernel} kernel {lacks}" if lacks else mismatch(rule, key)
+        if why_not is None and not cap.runs(dtype, m, i, tma_aligned):
+            why_not = f"matches, but the {rule.kernel} kernel cannot run these tensors (needs {cap.needs()})"
+        walk.append((n, rule, why_not))
+        if why_not is None:
+            return key, walk
+    raise AssertionError(f"rules.TABLES[{OPS[op][0]!r}] ends with rules whose kernel runs every call")
 
 
 def choose(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
-           capability_: tuple[int, int] | None = None, tma_aligned: bool = True) -> tuple[int, Rule, GatedGemmConfig]:
-    """(rule index, rule, config) a call takes: what `gated_gemm` runs, computed without tensors.
+           capability_: tuple[int, int] | None = None, tma_aligned: bool = True,
+           op: str = "forward") -> tuple[int, Rule, GatedGemmConfig]:
+    """(rule index, rule, config) a call of `op` takes: what its entry point runs, computed without tensors.
 
-    gpu: the CUDA device name ("cpu" for the interpreter); capability_: its compute capability
-    (None: 9.0 for names with H100/H200/H20, else none); tma_aligned: whether x, the weight and
-    out meet the TMA kernels' alignment (16-bit dtype and I % 16 are checked here).
+    gpu: the CUDA device name ("cpu": the interpreter); capability_: None for 9.0 on names with
+    H100/H200/H20, else none; tma_aligned: whether the tensors meet TMA's alignment.
+
+    Raises:
+        ValueError: an unknown op, or a call refused before any rule is read (`refusal`).
     """
-    key = CallKey(gpu, capability_ or _known_capability(gpu), dtype, m, k, i, captured)
-    for n, rule in candidates(key):
-        if _runs(rule.kernel, dtype, m, i, tma_aligned):
-            return n, rule, _fit_dtype(rule.config, dtype)
-    raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
-
-
-def _known_capability(gpu: str) -> tuple[int, int] | None:
-    return (9, 0) if any(h in gpu for h in ("H100", "H200", "H20", "GH200")) else None
-
-
-def _runs(kernel: str, dtype: torch.dtype, m: int, i: int, tma_aligned: bool) -> bool:
-    if kernel == "gemv":
-        return m == 1 and i % 16 == 0
-    if kernel in ("grid", "tma"):
-        return dtype in (torch.bfloat16, torch.float16) and i % 16 == 0 and tma_aligned
-    return True
+    _, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op)
+    n, rule, _ = walk[-1]
+    return n, rule, _fit_dtype(rule.config, dtype)
 
 
 def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
-            capability_: tuple[int, int] | None = None, tma_aligned: bool = True) -> str:
-    """Which rule a call takes and why every earlier rule did not, as text (see `choose`)."""
-    cap = capability_ or _known_capability(gpu)
-    key = CallKey(gpu, cap, dtype, m, k, i, captured)
-    lines = [f"call: {gpu}, capability {cap}, {str(dtype).replace('torch.', '')}, M={m}, "
+            capability_: tuple[int, int] | None = None, tma_aligned: bool = True, op: str = "forward") -> str:
+    """Which rule a call of `op` takes and why every earlier rule did not, as text (see `choose`)."""
+    key, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op)
+    lines = [f"{op} call: {gpu}, capability {key.capability}, {str(dtype).replace('torch.', '')}, M={m}, "
              f"K={k}, I={i}, {'captured into a CUDA graph' if captured else 'eager'}"]
-    for n, rule in enumerate(RULES):
-        why_not = mismatch(rule, key)
-        if why_not is None and not _runs(rule.kernel, dtype, m, i, tma_aligned):
-            why_not = f"matches, but the {rule.kernel} kernel cannot run these tensors"
-        if why_not is not None:
-            lines.append(f"  rule {n:2d} {rule.kernel:7s} skipped: {why_not}")
-            continue
-        config = _fit_dtype(rule.config, dtype)
-        lines.append(f"  rule {n:2d} {rule.kernel:7s} CHOSEN: {config.short()}"
-                     + (" (fp32: block_k halved)" if dtype == torch.float32 else ""))
-        lines.append(f"  why: {rule.why}")
-        if rule.sweep:
-            lines.append(f"  measured in: {', '.join('benchmarks/results/' + s for s in rule.sweep)}")
-        return "\n".join(lines)
-    raise AssertionError("rules.RULES ends with pointer rules that match every call")  # unreachable
+    width = max(len(name) for name in MODULES)
+    for n, rule, why_not in walk[:-1]:
+        lines.append(f"  rule {n:2d} {rule.kernel:{width}s} skipped: {why_not}")
+    n, rule, _ = walk[-1]
+    lines.append(f"  rule {n:2d} {rule.kernel:{width}s} CHOSEN: {_fit_dtype(rule.config, dtype).short()}"
+                 + (" (fp32: block_k halved)" if dtype == torch.float32 else ""))
+    lines.append(f"  why: {rule.why}")
+    if rule.sweep:
+        lines.append(f"  measured in: {', '.join('benchmarks/results/' + s for s in rule.sweep)}")
+    return "\n".join(lines)

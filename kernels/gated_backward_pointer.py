@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig, ceil_div
+from .configs import GatedGemmConfig, KernelCapability, ceil_div
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -99,6 +99,9 @@ def _gated_backward_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+CAPABILITY = KernelCapability("backward_pointer", ops=("backward",), features=frozenset({"dh_in"}))
+
+
 def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
             h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
     """Every call the dispatcher makes: any device Triton runs on, any strides, any I."""
@@ -109,7 +112,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
     for one (config, epilogue, dtype, has_dh_in) writing dP (may be preact itself) and h; dh_in
     [M, I] must be given with has_dh_in and is None without; epilogue: `GatedEpilogue.constexprs()`
-    plus APPROX_TANH. Arguments are checked by the caller (`dispatch_training`)."""
+    plus APPROX_TANH. Arguments are checked by the caller (`dispatch`)."""
     if dtype is not torch.float32:
         precision = "tf32"  # ignored by tl.dot for 16-bit operands
     else:

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import GatedGemmConfig
-from .device import num_sms, tma_aligned
+from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability
+from .device import num_sms, tma_operands_ok
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -110,15 +110,14 @@ def _gated_backward_tma_kernel(
                        GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, HALF_N)
 
 
+CAPABILITY = KernelCapability("backward_tma", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
+                              tma=True)
+
+
 def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
             h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
-    """16-bit, whole gate/up blocks (I % 16 == 0) and TMA-aligned tensors (`device.tma_aligned`);
-    dh_in, read with plain loads, may have any strides."""
-    return (
-        dy.dtype in (torch.bfloat16, torch.float16)
-        and down_weight.shape[1] % GATE_UP_BLOCK == 0
-        and all(tma_aligned(t) for t in (dy, down_weight, preact, dpreact, h))
-    )
+    """`configs.TMA_NEEDS` (`device.tma_operands_ok`); dh_in, read with plain loads, may have any strides."""
+    return tma_operands_ok(down_weight.shape[1], dy, down_weight, preact, dpreact, h)
 
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
+from .configs import LOW_RANK_BLOCK, GatedGemmConfig, KernelCapability, ceil_div
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -125,6 +125,9 @@ def _gated_gemm_fwd_kernel(
     h = gated_epilogue(acc_gate, acc_up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_i[None, :] * stride_oi  # [BLOCK_SIZE_M, BLOCK_SIZE_N]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_i[None, :])
+
+
+CAPABILITY = KernelCapability("pointer", ops=("forward",), features=frozenset({"store_preact", "low_rank"}))
 
 
 def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,

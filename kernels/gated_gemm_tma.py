@@ -46,8 +46,8 @@ import triton
 import triton.language as tl
 from triton.runtime import _allocation
 
-from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
-from .device import num_sms, tma_aligned, tma_operands_ok
+from .configs import LOW_RANK_BLOCK, TMA_DTYPES, GatedGemmConfig, KernelCapability, ceil_div
+from .device import num_sms, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -188,11 +188,14 @@ def ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+CAPABILITY = KernelCapability("tma", ops=("forward",), features=frozenset({"store_preact", "low_rank"}),
+                              dtypes=TMA_DTYPES, tma=True)
+
+
 def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,
             x_lr: torch.Tensor | None = None, b_lr: torch.Tensor | None = None) -> bool:
-    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`); preact and the
-    low-rank operands too, where given."""
-    return tma_operands_ok(x, weight, out) and all(t is None or tma_aligned(t) for t in (preact, x_lr, b_lr))
+    """`configs.TMA_NEEDS` (`device.tma_operands_ok`), for preact and the low-rank operands too where given."""
+    return tma_operands_ok(weight.shape[0] >> 1, x, weight, out, preact, x_lr, b_lr)
 
 
 def tail_split(m: int, i: int, config: GatedGemmConfig, programs: int) -> tuple[int, int]:

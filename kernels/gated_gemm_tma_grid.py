@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import GatedGemmConfig, ceil_div
+from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability, ceil_div
 from .device import tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
 from .layout import GATE_UP_BLOCK
@@ -81,9 +81,12 @@ def _gated_gemm_tma_grid_kernel(
     out_desc.store([offs_m, pid_n * BLOCK_SIZE_N], h.to(out_desc.dtype))
 
 
+CAPABILITY = KernelCapability("grid", ops=("forward",), dtypes=TMA_DTYPES, tma=True)
+
+
 def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """16-bit, whole gate/up blocks, TMA-aligned tensors (`device.tma_operands_ok`)."""
-    return tma_operands_ok(x, weight, out)
+    """`configs.TMA_NEEDS` (`device.tma_operands_ok`)."""
+    return tma_operands_ok(weight.shape[0] >> 1, x, weight, out)
 
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, has_bias: bool, dtype: torch.dtype):

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import LOW_RANK_BLOCK, GatedGemmConfig, ceil_div
+from .configs import LOW_RANK_BLOCK, GatedGemmConfig, KernelCapability, ceil_div
 from .jit_common import gated_epilogue
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
@@ -123,6 +123,9 @@ def _gated_gemv_low_rank_kernel(
         acc += tl.sum(bl * xl[None, :], axis=1)
     _store_gated(acc, b_ptr, out_ptr, rows, mask_r, I, stride_oi, HAS_BIAS, ACTIVATION, APPROX_TANH, GATE_SCALE,
                  OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCKS)
+
+
+CAPABILITY = KernelCapability("gemv", ops=("forward",), features=frozenset({"low_rank"}), one_token=True)
 
 
 def can_run(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, preact: torch.Tensor | None = None,

@@ -1,15 +1,19 @@
 """Which kernel runs a gated GEMM call, as data: an ordered table of rules, first match wins.
 
-A rule names a kernel ("gemv", "pointer", "grid", "tma": one file each in this package) and
-the config it runs with, and says which calls it is for: GPU name, compute capability, the
+One table per op (`TABLES`): `RULES` for the gated GEMM (the forward: inference, training's
+forward storing P, LoRA's low-rank forward), `BACKWARD_RULES` for training's backward GEMM.
+A rule names a kernel ("gemv", "pointer", "grid", "tma", ...: one file each in this package)
+and the config it runs with, and says which calls it is for: GPU name, compute capability, the
 ranges of M (tokens), K (hidden size) and I (intermediate size), and whether the call is
 being captured into a CUDA graph. `dispatch.py` takes the first rule that matches the call
-and whose kernel can run its tensors (dtype, alignment, whole gate/up blocks); the last rules
+and whose kernel has the call's features and can run its tensors (dtype, alignment, whole
+gate/up blocks: the kernel file's CAPABILITY and `can_run`); the last rules of each table
 match every call, so there is always one. fp32 calls halve the chosen block_k (shared memory).
 
 `sweep` names the measurements that chose the rule, relative to benchmarks/results/; the
 per-rule numbers are in docs/performance.md. `swiglu-patch explain --m 16 --k 4096 --i 14336`
-says which rule a call takes and why the earlier ones did not.
+says which rule a call takes and why the earlier ones did not (`--op backward` for the
+backward table).
 
 Why the groups exist:
 - captured calls (CUDA graphs) may take the grid kernel, whose host-built TMA descriptors
@@ -149,24 +153,12 @@ RULES: tuple[Rule, ...] = (
          sweep=("h100/tune/tune_h100_bf16_graph.json",), why="pre-Hopper or unaligned prefill: two 128x128 accumulators"),
 )
 
-# A call that names a kernel without a config gets this one.
-DEFAULT_CONFIGS: dict[str, C] = {
-    "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
-    "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
-}
-
-
-# -- training: the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue ----
-# Its own table, read by `dispatch_training.gated_backward` the same way (first match whose kernel can
-# run the tensors; the last rule matches every call). Kernels: `gated_backward_pointer.py`,
-# `gated_backward_tma.py`. The forward of training (the gated GEMM that also stores the
-# pre-activation) takes `RULES`, skipping kernels without a STORE_PREACT path.
+# -- the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue (training) ---------
+# Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py`. The forward of training (storing
+# the pre-activation P) and LoRA's low-rank forward take `RULES`, skipping kernels without that
+# feature (each kernel file's CAPABILITY says which it has).
 
 BACKWARD_KERNELS = ("backward_pointer", "backward_tma")
-PREACT_KERNELS = ("pointer", "tma")
-# The kernels with a low-rank segment (LoRA, `dispatch_training.gated_gemm_low_rank`); the GEMV only
-# for inference (it stores no pre-activation).
-LOW_RANK_KERNELS = ("gemv", "pointer", "tma")
 
 BACKWARD_RULES: tuple[Rule, ...] = (
     Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,
@@ -183,3 +175,16 @@ BACKWARD_RULES: tuple[Rule, ...] = (
          why="pre-Hopper, fp32 or unaligned: the largest tile ptxas fits without spills for every epilogue "
              "and dtype (Triton 3.6, sm_90a: 128x64x64 w8 and 64x64x64 w4 spill 150-660 bytes); not yet timed"),
 )
+
+# A call that names a kernel without a config gets this one (the pointer and TMA kernels: their
+# GPU-independent rule for the call's M).
+DEFAULT_CONFIGS: dict[str, C] = {
+    "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
+    "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
+    "backward_pointer": BACKWARD_RULES[-1].config,
+    "backward_tma": BACKWARD_RULES[0].config,
+}
+
+# The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family
+# adds its table here and kernel files whose CAPABILITY names it.
+TABLES: dict[str, tuple[Rule, ...]] = {"forward": RULES, "backward": BACKWARD_RULES}

@@ -1,7 +1,9 @@
-"""`swiglu-patch explain`: which kernel and config a gated GEMM call runs, and why.
+"""`swiglu-patch explain`: which kernel and config a call of one op runs, and why.
 
-Reads the dispatch table (`swiglu_patch.kernels.rules`) for a call described on the command
-line; needs no GPU. Options are defined without importing torch (fast --help).
+Reads the planner's table for the op (`swiglu_patch.kernels.rules.TABLES`, through
+`swiglu_patch.kernels.dispatch.explain`) for a call described on the command line; needs no
+GPU. A call the kernels refuse before any rule is read (bf16 in the CPU interpreter) is one
+line on stderr and exit status 2. Options are defined without importing torch (fast --help).
 """
 
 from __future__ import annotations
@@ -11,12 +13,16 @@ import argparse
 from .inputs import positive_int
 
 DTYPES = ("bf16", "fp16", "fp32")
+# the planner's ops (`dispatch.OPS`), spelled out so that --help imports no torch; a test checks they agree
+OPS = ("forward", "forward_preact", "forward_low_rank", "forward_low_rank_preact", "backward", "backward_dh_in")
 
 EPILOG = """\
 examples:
   swiglu-patch explain --m 1 --k 4096 --i 14336                 # Llama-3-8B decode on an H100
   swiglu-patch explain --gpu "NVIDIA H200" --m 8 --k 4096 --i 14336 --captured
   swiglu-patch explain --gpu cpu --dtype fp32 --m 300 --k 64 --i 72
+  swiglu-patch explain --op backward --m 4096 --k 4096 --i 14336   # training's backward GEMM
+  swiglu-patch explain --op forward_preact --m 4096 --k 4096 --i 14336   # training's forward (stores P)
 """
 
 
@@ -24,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `swiglu-patch explain`'s options to `parser`."""
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--op", default="forward", choices=OPS,
+                        help="forward: inference's gated GEMM; forward_preact: training's (stores the pre-activation); "
+                             "forward_low_rank[_preact]: with LoRA's segment; backward[_dh_in]: training's backward "
+                             "GEMM (default: forward)")
     parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3",
                         help="CUDA device name as torch reports it (default: an H100), or 'cpu' for the interpreter")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
@@ -36,11 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the rule walk for the call; returns 0."""
+    """Print the rule walk for the call; returns 0, or 2 with one line on stderr for a refused call."""
+    import sys
+
     import torch
 
-    from .kernels.dispatch import explain
+    from .kernels.dispatch import explain, refusal
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    print(explain(args.gpu, dtype, args.m, args.k, args.i, args.captured, tma_aligned=not args.unaligned))
+    why = refusal(args.gpu, dtype)
+    if why is not None:
+        print(f"swiglu-patch explain: error: {args.op} calls in {args.dtype} on {args.gpu} are refused at run time, "
+              f"no kernel runs them: {why}", file=sys.stderr)
+        return 2
+    print(explain(args.gpu, dtype, args.m, args.k, args.i, args.captured, tma_aligned=not args.unaligned,
+                  op=args.op))
     return 0

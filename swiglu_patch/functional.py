@@ -1,85 +1,24 @@
-"""`gated_linear`: the one functional entry point from model glue to the kernels.
+"""`gated_linear`: the one functional entry point from model glue to the gated GEMM.
 
-Layers, bottom up: the kernels and their dispatcher (`swiglu_patch.kernels.dispatch.gated_gemm`),
-the registered op ``swiglu_patch::gated_gemm`` (what torch.compile and CUDA graphs see),
-`gated_linear_interleaved` (checks, picks a backend, flattens leading dims; what the fused
-module calls with its parameters) and `gated_linear`, which takes a `PackedGateUp` so that a
-weight in another layout cannot be passed by mistake.
+Layers, bottom up: the kernels and their planner (`swiglu_patch.kernels.dispatch.gated_gemm`),
+the registered op ``swiglu_patch::gated_gemm`` (`swiglu_patch.ops`: what torch.compile and CUDA
+graphs see), `gated_linear_interleaved` (checks, picks a backend, flattens leading dims; what the
+fused module calls with its parameters) and `gated_linear`, which takes a `PackedGateUp` so that
+a weight in another layout cannot be passed by mistake. Training runs the whole MLP as one
+differentiable op instead: `swiglu_patch.training.gated_mlp`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from . import ops
+from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import PackedGateUp
 from .kernels.reference import gated_linear_reference
+from .ops import BACKENDS, resolve_backend
 
-BACKENDS = ("auto", "triton", "torch")
-_CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
-
-_dispatch_module = None
-_training_dispatch_module = None
-
-
-def _import_kernels(name: str):
-    import importlib
-
-    try:
-        return importlib.import_module(f"{__package__}.kernels.{name}")
-    except ImportError as e:  # triton missing (not Linux) or broken
-        raise ImportError(
-            f"swiglu_patch: backend='triton' needs Triton ({e}); `pip install triton` on Linux, or use backend='torch'"
-        ) from e
-
-
-def dispatcher():
-    """The kernels' dispatcher module (`swiglu_patch.kernels.dispatch`), imported on first use:
-    the torch backend needs no Triton."""
-    global _dispatch_module
-    if _dispatch_module is None:
-        _dispatch_module = _import_kernels("dispatch")
-    return _dispatch_module
-
-
-def training_dispatcher():
-    """Training's entry points to the kernels (`swiglu_patch.kernels.dispatch_training`:
-    the forward that stores P, the backward GEMM, the low-rank segment), imported on first use."""
-    global _training_dispatch_module
-    if _training_dispatch_module is None:
-        _training_dispatch_module = _import_kernels("dispatch_training")
-    return _training_dispatch_module
-
-
-@torch.library.custom_op("swiglu_patch::gated_gemm", mutates_args=())
-def _gated_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
-                   gate_scale: float, out_scale: float, clamp: int, limit: float) -> torch.Tensor:
-    epilogue = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, _CLAMPS[clamp] or "gate")
-    return dispatcher().gated_gemm(x, weight, epilogue, bias)
-
-
-@_gated_gemm_op.register_fake
-def _(x, weight, bias, activation, gate_scale, out_scale, clamp, limit):
-    return x.new_empty((x.shape[0], weight.shape[0] // 2))
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """The backend `gated_linear` runs for `backend` on tensors on `device`.
-
-    Raises:
-        ValueError: unknown backend name.
-        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"gated_linear: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not dispatcher().interpreting():
-        raise RuntimeError(
-            f"gated_linear: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
-            "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use backend='torch'"
-        )
-    return backend
+__all__ = ["BACKENDS", "gated_linear", "gated_linear_interleaved", "resolve_backend"]
 
 
 def gated_linear_interleaved(
@@ -114,15 +53,14 @@ def gated_linear_interleaved(
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         ):
             raise NotImplementedError(
-                "gated_linear: the Triton kernel has no backward yet and an input requires grad; run inference "
-                "under torch.inference_mode() or torch.no_grad(), freeze the weights (model.requires_grad_(False)), "
-                "or use backend='torch' for training"
+                "gated_linear: the Triton backend of gated_linear is for inference and an input requires grad; "
+                "train through the whole MLP, whose op has a fused backward (swiglu_patch.training.gated_mlp, what "
+                "a patched model's FusedGatedMLP runs), run under torch.no_grad(), or use backend='torch'"
             )
         if torch.compiler.is_compiling():
-            out = _gated_gemm_op(x2d, weight, bias, epilogue.activation, epilogue.gate_scale, epilogue.out_scale,
-                                 CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp], epilogue.limit or 0.0)
-        else:  # eager: skip the dispatcher's overhead on the hot path
-            out = (_dispatch_module or dispatcher()).gated_gemm(x2d, weight, epilogue, bias)
+            out = ops.gated_gemm_op(x2d, weight, bias, *ops.epilogue_args(epilogue))
+        else:  # eager: skip the op's overhead on the hot path
+            out = (ops.DISPATCH or ops.dispatcher()).gated_gemm(x2d, weight, epilogue, bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -141,8 +79,9 @@ def gated_linear(
         epilogue: an activation name ("silu", "gelu_tanh", "gelu") or a `GatedEpilogue`
             (scales on the gate and the output, a SwiGLU clamp).
         backend: "auto" (Triton on CUDA tensors, PyTorch reference elsewhere), "triton" (the
-            kernel; on CPU only under TRITON_INTERPRET=1, fp16/fp32) or "torch" (the chunked
-            reference, differentiable).
+            kernel, for inference; on CPU only under TRITON_INTERPRET=1, fp16/fp32) or "torch"
+            (the chunked reference, differentiable). To train, run the whole MLP through
+            `swiglu_patch.training.gated_mlp`, whose Triton op has a fused backward.
 
     Returns:
         [..., I] tensor in x's dtype.
@@ -152,7 +91,7 @@ def gated_linear(
             e.g. Phi-3's chunked [gate; up]), or dtypes that do not fit.
         ValueError: shapes or devices that do not fit.
         NotImplementedError: an unsupported activation, or the Triton backend asked for a
-            gradient (it has no backward yet).
+            gradient (the gated GEMM alone is for inference; `gated_mlp` trains).
     """
     if not isinstance(weight, PackedGateUp):
         raise TypeError(

@@ -21,8 +21,8 @@ Adapters stack along K: with a gate adapter of rank r_g and an up adapter of ran
 `gated_linear_low_rank_reference` is that formula on the concatenated operands (the spec);
 `gated_linear_low_rank` computes the same without copying W: P = x @ W^T + x_lr @ b_lr^T + bias
 with the torch backend (differentiable: A and B get their gradients through x_lr and b_lr), and
-the kernels' low-rank segment with the Triton backend (TMA or pointer kernel; the registered op
-``swiglu_patch::gated_gemm_low_rank``; inference: training runs the whole MLP through
+the kernels' low-rank segment with the Triton backend (GEMV, TMA or pointer kernel; the registered
+op ``swiglu_patch::gated_gemm_low_rank`` in `swiglu_patch.ops`; inference: training runs the whole MLP through
 `swiglu_patch.training.gated_mlp_interleaved`, whose op takes x_lr and b_lr the same way).
 
 Adapters on the down projection (`down_adapters`, `down_update`) are PEFT's own LoRA layer run
@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from .functional import resolve_backend, training_dispatcher
-from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import copy_into_interleaved, split_interleaved
 from .kernels.reference import gated_linear_reference
+from .ops import epilogue_args, gated_gemm_low_rank_op, resolve_backend
 
 HALVES = ("gate", "up", "gate_up")
 
@@ -129,21 +129,6 @@ def gated_linear_low_rank_reference(
     return gated_linear_reference(torch.cat([x, x_lr], -1), torch.cat([weight, b_lr], -1), bias, epilogue)
 
 
-@torch.library.custom_op("swiglu_patch::gated_gemm_low_rank", mutates_args=())
-def _low_rank_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_lr: torch.Tensor,
-                 b_lr: torch.Tensor, activation: str, gate_scale: float, out_scale: float, clamp: int,
-                 limit: float) -> torch.Tensor:
-    """[M, I] from x [M, K], weight [2*I, K], x_lr [M, r], b_lr [2*I, r]: the kernel's low-rank segment."""
-    clamp_name = {code: name for name, code in CLAMP_CODES.items()}[clamp]
-    epilogue = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, clamp_name or "gate")
-    return training_dispatcher().gated_gemm_low_rank(x, weight, x_lr, b_lr, epilogue, bias)[0]
-
-
-@_low_rank_op.register_fake
-def _(x, weight, bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit):
-    return x.new_empty((x.shape[0], weight.shape[0] // 2))
-
-
 def gated_linear_low_rank(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -162,8 +147,8 @@ def gated_linear_low_rank(
         x_lr: [..., r] low-rank input (s * dropout(x) @ A^T per adapter, concatenated), x's dtype.
         b_lr: [2*I, r] low-rank weight in the packed row layout (`pack_low_rank_b`, concatenated).
         epilogue: the gated epilogue.
-        backend: "torch" (two GEMMs summed in fp32, differentiable), "triton" (the pointer
-            kernel's low-rank segment; inference only) or "auto" (Triton on CUDA).
+        backend: "torch" (two GEMMs summed in fp32, differentiable), "triton" (the kernels'
+            low-rank segment; inference only) or "auto" (Triton on CUDA).
 
     Returns:
         [..., I] in x's dtype.
@@ -173,7 +158,7 @@ def gated_linear_low_rank(
         NotImplementedError: the Triton backend asked for a gradient.
     """
     check_low_rank("gated_linear_low_rank", x, weight, x_lr, b_lr)
-    backend = resolve_backend(backend, x.device)
+    backend = resolve_backend(backend, x.device, "gated_linear_low_rank")
     if backend != "torch":
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, x_lr, b_lr)):
             raise NotImplementedError(
@@ -182,9 +167,7 @@ def gated_linear_low_rank(
                 "model's FusedGatedMLP does), run under torch.no_grad(), or use backend='torch'"
             )
         x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
-        out = _low_rank_op(x2d, weight, bias, xlr2d, b_lr, epilogue.activation, epilogue.gate_scale,
-                           epilogue.out_scale, CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp],
-                           epilogue.limit or 0.0)
+        out = gated_gemm_low_rank_op(x2d, weight, bias, xlr2d, b_lr, *epilogue_args(epilogue))
         return out.view(*x.shape[:-1], out.shape[-1])
     acc = torch.promote_types(x.dtype, torch.float32)
     x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])

@@ -16,6 +16,15 @@ that tools finding modules by name reach (PEFT's ``target_modules``). A LoRA lay
 marker (`swiglu_patch.lora`); the packed halves are then saved under the marker's path
 (``gate_proj.base_layer.weight``, as plain PEFT saves them), and the forward adds the
 adapters' low-rank update inside the gated GEMM (`swiglu_patch.low_rank`).
+
+A forward takes one of the named `ROUTES` (first match wins), chosen from what the call is:
+whether autograd is on, what the down projection is (a plain nn.Linear, PEFT's LoRA over one,
+or any other module), whether an input requires grad, whether LoRA rides on gate/up. The
+module's repr shows the route of a call with and without autograd.
+
+`FusedGatedMLP.from_original` builds the module and does what patching does to the original:
+frees its gate/up weights and marks them for the optimizer check (`swiglu_patch.optimizer`);
+``__init__`` only reads the original.
 """
 
 from __future__ import annotations
@@ -32,6 +41,38 @@ from .low_rank import down_adapters, down_update, gated_linear_low_rank, low_ran
 from .optimizer import mark_packed
 from .training import gated_mlp_interleaved
 from .registry import MLPFamily
+
+# (name, when: (grad enabled, down kind, an input requires grad, LoRA on gate/up) -> bool, what runs)
+ROUTES = (
+    ("training_op_lora_down", lambda grad, down, trains, low_rank: grad and down == "lora",
+     "the whole MLP as one differentiable op (`training.gated_mlp_interleaved`) returning h too; the down "
+     "adapters' update computed from h as PEFT's forward does"),
+    ("training_op", lambda grad, down, trains, low_rank: grad and down == "plain" and trains,
+     "the whole MLP as one differentiable op (`training.gated_mlp_interleaved`), LoRA on gate/up inside it"),
+    ("low_rank_inference", lambda grad, down, trains, low_rank: low_rank,
+     "the gated GEMM with LoRA's low-rank segment (`low_rank.gated_linear_low_rank`), then the down projection"),
+    ("inference", lambda grad, down, trains, low_rank: True,
+     "the gated GEMM (`functional.gated_linear_interleaved`), then the down projection"),
+)
+DOWN_KINDS = ("plain", "lora", "module")
+
+
+def route(grad: bool, down: str, trains: bool, low_rank: bool) -> str:
+    """The name of the first of `ROUTES` whose condition holds.
+
+    Args:
+        grad: torch.is_grad_enabled().
+        down: "plain" (an nn.Linear run as itself), "lora" (PEFT's LoRA Linear over a plain one)
+            or "module" (anything else, or a global forward hook is set).
+        trains: x, the packed weight or bias, or the down weight or bias requires grad.
+        low_rank: LoRA layers wrap the packed projections.
+    """
+    return next(name for name, when, _ in ROUTES if when(grad, down, trains, low_rank))
+
+
+# every combination's route, read on the hot path with one lookup
+_ROUTE_OF = {(g, d, t, lr): route(g, d, t, lr) for g in (False, True) for d in DOWN_KINDS for t in (False, True)
+             for lr in (False, True)}
 
 
 class FusedGatedMLP(nn.Module):
@@ -71,8 +112,18 @@ class FusedGatedMLP(nn.Module):
         self.backend = backend
         self.mode = "store"  # training: save the interleaved pre-activation; "recompute" saves only x
         self.family = family
-        mark_packed(self, _release_gate_up(original, family))  # an optimizer holding them is refused at step
         object.__setattr__(self, "_original", original)  # not a submodule: not in params or state dict
+
+    @classmethod
+    def from_original(cls, original: nn.Module, family: MLPFamily, epilogue: GatedEpilogue | str,
+                      backend: str = "auto") -> "FusedGatedMLP":
+        """The fused module for `original`, as patching makes it: the original's gate/up parameters
+        are swapped for meta tensors (their memory freed; `restore` unpacks them back) and marked,
+        so that an optimizer still holding them is refused at its step (`optimizer.mark_packed`).
+        Arguments as the constructor's."""
+        fused = cls(original, family, epilogue, backend)
+        mark_packed(fused, _release_gate_up(original, family))
+        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         modules, params = self._modules, self._parameters  # direct reads: nn.Module.__getattr__ costs host time
@@ -82,33 +133,38 @@ class FusedGatedMLP(nn.Module):
         wrapped = [m for name in self._packed_names if type(m := modules[name]) is not PackedProjection]
         if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
             x_lr, b_lr = low_rank_operands(wrapped, x)
-        no_global_hooks = not (_GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1])
-        plain_down = no_global_hooks and _plain_linear(down)
-        lora_down = None
-        if not plain_down and no_global_hooks and (found := down_adapters(down)) is not None and _plain_linear(found[0]):
-            lora_down = found  # PEFT LoRA on down_proj: its base runs in the op, its update from h
-        if torch.is_grad_enabled() and (plain_down or lora_down is not None):
-            base = down if lora_down is None else lora_down[0]
+        kind, base, names = _down_kind(down)
+        grad = torch.is_grad_enabled()
+        trains = grad and kind == "plain" and any(
+            t is not None and t.requires_grad for t in (x, weight, bias, base.weight, base.bias, x_lr, b_lr))
+        name = _ROUTE_OF[grad, kind, trains, x_lr is not None]
+        if name == "training_op" or name == "training_op_lora_down":
             tensors = (x, weight, bias, base.weight, base.bias, x_lr, b_lr)
-            if lora_down is not None or any(t is not None and t.requires_grad for t in tensors):
-                # training: the whole MLP as one op with its backward (`swiglu_patch.training`)
-                if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
-                    dtype = torch.get_autocast_dtype(x.device.type)
-                    tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
-                *tensors, x_lr, b_lr = tensors
-                if lora_down is None:
-                    return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr)
-                y, h = gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr,
-                                             return_h=True)
-                return down_update(down, lora_down[1], h, y)
-        if x_lr is not None:
+            if torch.is_autocast_enabled(x.device.type):  # the op is opaque to autocast: cast as it casts linear
+                dtype = torch.get_autocast_dtype(x.device.type)
+                tensors = tuple(None if t is None else t.to(dtype) for t in tensors)
+            *tensors, x_lr, b_lr = tensors
+            if name == "training_op":
+                return gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr)
+            y, h = gated_mlp_interleaved(*tensors, self.epilogue, self.mode, self.backend, x_lr, b_lr, return_h=True)
+            return down_update(down, names, h, y)
+        if name == "low_rank_inference":
             h = gated_linear_low_rank(x, weight, bias, x_lr, b_lr, self.epilogue, self.backend)
         else:
             h = gated_linear_interleaved(x, weight, bias, self.epilogue, self.backend)
-        if plain_down:  # nn.Linear.forward, without __call__
+        if kind == "plain":  # nn.Linear.forward, without __call__
             down_params = down._parameters
             return F.linear(h, down_params["weight"], down_params["bias"])
         return down(h)
+
+    def routes(self) -> tuple[str, str]:
+        """(the route of a call with autograd on, without), for x that requires no grad."""
+        kind, base, _ = _down_kind(self.down)
+        low_rank = any(type(self._modules[n]) is not PackedProjection for n in self._packed_names)
+        params = (self.gate_up_interleaved, self.gate_up_interleaved_bias) + (
+            (base.weight, base.bias) if base is not None else ())
+        trains = kind == "plain" and any(p is not None and p.requires_grad for p in params)
+        return _ROUTE_OF[True, kind, trains, low_rank], _ROUTE_OF[False, kind, False, low_rank]
 
     @property
     def down(self) -> nn.Module:
@@ -117,10 +173,11 @@ class FusedGatedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         n, k = self.gate_up_interleaved.shape
+        with_grad, without = self.routes()
         return (
             f"hidden_size={k}, intermediate_size={n // 2}, epilogue={self.epilogue.describe()!r}, "
             f"bias={self.gate_up_interleaved_bias is not None}, backend={self.backend!r}, "
-            f"original={type(self._original).__name__}"
+            f"route={with_grad!r} (autograd on) / {without!r} (off), original={type(self._original).__name__}"
         )
 
     # -- the original checkpoint's keys --------------------------------------------------
@@ -283,6 +340,20 @@ class PackedProjection(nn.Module):
 # torch's global forward hooks (`register_module_forward_hook`, `..._pre_hook`), which a module's
 # __call__ runs: dicts that registering a hook fills in place
 _GLOBAL_FORWARD_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks)
+
+
+def _down_kind(down: nn.Module) -> tuple[str, nn.Module | None, tuple[str, ...]]:
+    """(kind, the nn.Linear the op runs or None, PEFT adapter names to add): kind "plain" for an
+    nn.Linear run as itself, "lora" for PEFT's LoRA Linear over one (`low_rank.down_adapters`),
+    "module" for anything else or while a global forward hook is set (the module runs as itself)."""
+    if _GLOBAL_FORWARD_HOOKS[0] or _GLOBAL_FORWARD_HOOKS[1]:
+        return "module", None, ()
+    if _plain_linear(down):
+        return "plain", down, ()
+    found = down_adapters(down)
+    if found is not None and _plain_linear(found[0]):
+        return "lora", found[0], found[1]
+    return "module", None, ()
 
 
 def _plain_linear(m: nn.Module) -> bool:

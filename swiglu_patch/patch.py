@@ -230,7 +230,7 @@ def plan_one(g: Gated, proven: dict) -> GatedEpilogue:
 def _replace(model: nn.Module, name: str, module: nn.Module, family: MLPFamily, epilogue: GatedEpilogue,
              backend: str) -> FusedGatedMLP:
     shards = tensor_parallel.localize(module, family)  # None unless tensor-parallel
-    fused = FusedGatedMLP(module, family, epilogue, backend)
+    fused = FusedGatedMLP.from_original(module, family, epilogue, backend)
     tensor_parallel.attach(fused, shards)
     hook = getattr(module, "_hf_hook", None)
     if hook is not None:  # accelerate's device-alignment hook travels with the module

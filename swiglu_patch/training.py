@@ -27,12 +27,13 @@ Two modes:
 - "recompute": only x and the weights are saved; the backward recomputes P with one GEMM.
 
 Layers, bottom up: the kernels (`kernels/dispatch.py`: `gated_gemm_with_preact`, `gated_gemm`,
-`gated_backward`); the registered ops ``swiglu_patch::gated_mlp`` (forward, with its autograd
-formula registered on it, so autograd, torch.compile and CUDA graphs see one op) and
-``swiglu_patch::gated_mlp_dpreact`` (the fused backward GEMM, writing dP over P); then
-`gated_mlp_interleaved` (what a fused module calls with its parameters) and `gated_mlp`
-(which takes a `PackedGateUp`). The plain GEMMs of the backward (dWd, dW, dx) run through
-torch (cuBLAS on the GPU) and are skipped for inputs that need no gradient (frozen weights).
+`gated_gemm_low_rank`, `gated_backward`); the registered ops in `swiglu_patch.ops`:
+``swiglu_patch::gated_mlp`` (forward, with its autograd formula registered on it, so autograd,
+torch.compile and CUDA graphs see one op) and ``swiglu_patch::gated_mlp_dpreact`` (the fused
+backward GEMM, writing dP over P); then `gated_mlp_interleaved` (what a fused module calls with
+its parameters) and `gated_mlp` (which takes a `PackedGateUp`). The plain GEMMs of the backward
+(dWd, dW, dx) run through torch (cuBLAS on the GPU) and are skipped for inputs that need no
+gradient (frozen weights).
 
 Numerics: fp32 accumulation and epilogue math in every kernel, one rounding per stored tensor
 (P, h, dP, each gradient). The "torch" backend computes the same formulas with PyTorch ops
@@ -42,229 +43,16 @@ Numerics: fp32 accumulation and epilogue math in every kernel, one rounding per 
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 
-from .functional import dispatcher, training_dispatcher
-from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
-from .kernels.layout import PackedGateUp, interleave_gate_up, split_interleaved
+from .kernels.epilogue import GatedEpilogue
+from .kernels.layout import PackedGateUp
 from .low_rank import check_low_rank
+from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_op, resolve_backend
+
+__all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved"]
 
 MODES = ("store", "recompute")
-BACKENDS = ("auto", "triton", "torch")
-_CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-
-# -- the backward epilogue, written out in PyTorch (the spec of the kernels' derivative) ----
-
-
-def _activation_and_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(act(g), act'(g)) in g's dtype."""
-    if activation == "silu":
-        s = torch.sigmoid(g)
-        return g * s, s * (1 + g * (1 - s))
-    if activation == "gelu_tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g**3))
-        gc = g.clamp(-10, 10)  # past |g| = 10, 1 - t^2 is 0 and g^3 could overflow into 0 * inf
-        return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * gc * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 0.134145 * gc * gc)
-    cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
-    return g * cdf, cdf + g * _INV_SQRT_2PI * torch.exp(-0.5 * g * g)
-
-
-def gated_epilogue_grad_reference(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
-                                  epilogue: GatedEpilogue) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h, dgate, dup): h = epilogue.apply(gate, up) and the gradients of sum(dh * h).
-
-    A clamp passes no gradient where it clips (torch.clamp's backward): up where it is outside
-    [-limit, limit]; clamp "gate": gate where gate_scale * gate > limit; clamp "activation":
-    where act(gate_scale * gate) > limit.
-
-    Args:
-        gate, up, dh: [M, I] each, one floating dtype (the caller upcasts 16-bit ones).
-
-    Returns:
-        (h, dgate, dup), [M, I] each in that dtype.
-    """
-    e = epilogue
-    g = gate * e.gate_scale if e.gate_scale != 1.0 else gate
-    gate_passes = up_passes = None
-    if e.limit is not None:
-        up_passes = (up >= -e.limit) & (up <= e.limit)
-        up = up.clamp(-e.limit, e.limit)
-        if e.clamp == "gate":
-            gate_passes = g <= e.limit
-            g = g.clamp(max=e.limit)
-    a, da = _activation_and_grad(g, e.activation)
-    if e.limit is not None and e.clamp == "activation":
-        gate_passes = a <= e.limit
-        a = a.clamp(max=e.limit)
-    h = a * up
-    if e.out_scale != 1.0:
-        h = h * e.out_scale
-        dh = dh * e.out_scale
-    dup = dh * a
-    dgate = dh * up * da
-    if up_passes is not None:
-        dup = torch.where(up_passes, dup, 0)
-        dgate = torch.where(gate_passes, dgate, 0)
-    if e.gate_scale != 1.0:
-        dgate = dgate * e.gate_scale
-    return h, dgate, dup
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _epilogue_of(activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float) -> GatedEpilogue:
-    return GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, _CLAMPS[clamp] or "gate")
-
-
-def _epilogue_args(epilogue: GatedEpilogue) -> tuple:
-    return (epilogue.activation, epilogue.gate_scale, epilogue.out_scale,
-            CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp], epilogue.limit or 0.0)
-
-
-# -- the registered ops ----------------------------------------------------------------
-
-
-@torch.library.custom_op("swiglu_patch::gated_mlp", mutates_args=())
-def _gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                  down_weight: torch.Tensor, down_bias: torch.Tensor | None, x_lr: torch.Tensor | None,
-                  b_lr: torch.Tensor | None, activation: str, gate_scale: float, out_scale: float, clamp: int,
-                  limit: float, store_preact: bool, return_h: bool,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [M, K], P [M, 2*I], h [M, I]) for 2-D x [M, K]; P and h are 0-element tensors unless
-    store_preact and return_h ask for them. x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
-    epilogue = _epilogue_of(activation, gate_scale, out_scale, clamp, limit)
-    if backend == "triton":
-        if x_lr is not None:
-            h, preact = training_dispatcher().gated_gemm_low_rank(x, gate_up_weight, x_lr, b_lr, epilogue, gate_up_bias,
-                                                        store_preact)
-        elif store_preact:
-            h, preact = training_dispatcher().gated_gemm_with_preact(x, gate_up_weight, epilogue, gate_up_bias)
-        else:
-            h, preact = dispatcher().gated_gemm(x, gate_up_weight, epilogue, gate_up_bias), None
-    else:
-        acc = _acc_dtype(x.dtype)
-        p = F.linear(x, gate_up_weight, gate_up_bias)
-        p_acc = p.to(acc) if x_lr is None else p.to(acc) + F.linear(x_lr, b_lr).to(acc)
-        gate, up = split_interleaved(p_acc, -1)
-        h = epilogue.apply(gate, up).to(x.dtype)
-        preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
-    y = F.linear(h, down_weight, down_bias)
-    return y, x.new_empty(0) if preact is None else preact, h if return_h else x.new_empty(0)
-
-
-@_gated_mlp_op.register_fake
-def _(x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp,
-      limit, store_preact, return_h, backend):
-    preact = x.new_empty((x.shape[0], gate_up_weight.shape[0])) if store_preact else x.new_empty(0)
-    h = x.new_empty((x.shape[0], down_weight.shape[1])) if return_h else x.new_empty(0)
-    return x.new_empty((x.shape[0], down_weight.shape[0])), preact, h
-
-
-@torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", mutates_args=("preact",))
-def _dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
-                activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
-                backend: str) -> torch.Tensor:
-    """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
-    an optional further gradient of h, dh_in [M, I] (added to dY @ Wd)."""
-    epilogue = _epilogue_of(activation, gate_scale, out_scale, clamp, limit)
-    if backend == "triton":
-        _, h = training_dispatcher().gated_backward(dy, down_weight, preact, epilogue, dpreact_out=preact, dh_in=dh_in)
-        return h
-    acc = _acc_dtype(dy.dtype)
-    gate, up = split_interleaved(preact.to(acc), -1)
-    dh = dy.to(acc) @ down_weight.to(acc)
-    if dh_in is not None:
-        dh = dh + dh_in.to(acc)
-    h, dgate, dup = gated_epilogue_grad_reference(gate, up, dh, epilogue)
-    preact.copy_(interleave_gate_up(dgate.t(), dup.t()).t())
-    return h.to(dy.dtype)
-
-
-@_dpreact_op.register_fake
-def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
-    return dy.new_empty((dy.shape[0], down_weight.shape[1]))
-
-
-def _setup_context(ctx, inputs, output):
-    x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, *epilogue, store_preact, _, backend = inputs
-    _, preact, _ = output
-    ctx.mark_non_differentiable(preact)
-    ctx.set_materialize_grads(False)  # no [M, 2*I] of zeros for P's (absent) gradient
-    ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
-                          preact if store_preact else None, x_lr, b_lr)
-    ctx.epilogue_args, ctx.store_preact, ctx.backend = tuple(epilogue), store_preact, backend
-
-
-def _sum_rows(t: torch.Tensor) -> torch.Tensor:
-    """sum over dim 0 in fp32 (or wider), rounded once to t's dtype."""
-    return t.sum(0, dtype=_acc_dtype(t.dtype)).to(t.dtype)
-
-
-def _backward(ctx, dy, _dpreact, dh_in):
-    need_x, need_w, need_b, need_wd, need_bd, need_xlr, need_blr = ctx.needs_input_grad[:7]
-    none = (None,) * 8
-    if dh_in is not None and dh_in.numel() == 0:  # h was not returned (a traced backward materializes its 0 elements)
-        dh_in = None
-    if dy is None and dh_in is None:
-        return (None,) * 7 + none
-    x, gate_up_weight, gate_up_bias, down_weight, preact, x_lr, b_lr = ctx.saved_tensors
-    dy = x.new_zeros((x.shape[0], down_weight.shape[0])) if dy is None else dy.contiguous()
-    dx = dw = db = dwd = dbd = dxlr = dblr = None
-    if need_bd:
-        dbd = _sum_rows(dy)
-    if need_x or need_w or need_b or need_wd or need_xlr or need_blr:
-        if not ctx.store_preact:  # recompute: one GEMM (and the low-rank segment's)
-            preact = F.linear(x, gate_up_weight, gate_up_bias)
-            if x_lr is not None:
-                preact = torch.addmm(preact, x_lr, b_lr.t())
-        h = _dpreact_op(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
-        dpreact = preact  # dP now, written over P
-        if need_wd:
-            dwd = dy.t() @ h
-        del h
-        if need_x:
-            dx = dpreact @ gate_up_weight
-        if need_w:
-            dw = dpreact.t() @ x
-        if need_b:
-            db = _sum_rows(dpreact)
-        if need_xlr:
-            dxlr = dpreact @ b_lr
-        if need_blr:
-            dblr = dpreact.t() @ x_lr
-    return (dx, dw, db, dwd, dbd, dxlr, dblr) + none
-
-
-_gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# -- the functional entry points -------------------------------------------------------
-
-
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The backend `gated_mlp` runs for `backend` on x: "auto" takes Triton on CUDA, the
-    PyTorch formulas elsewhere.
-
-    Raises:
-        ValueError: an unknown backend name.
-        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"gated_mlp: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if x.is_cuda else "torch"
-    if backend == "triton" and not x.is_cuda and not dispatcher().interpreting():
-        raise RuntimeError(f"gated_mlp: backend='triton' on {x.device.type} tensors needs Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use "
-                           "backend='torch'")
-    return backend
 
 
 def _check(x, weight, bias, down_weight, down_bias) -> None:
@@ -321,13 +109,13 @@ def gated_mlp_interleaved(
         raise ValueError("gated_mlp: x_lr and b_lr come together (the low-rank input and weight); got one of them")
     if x_lr is not None:
         check_low_rank("gated_mlp", x, weight, x_lr, b_lr)
-    backend = resolve_backend(backend, x)
+    backend = resolve_backend(backend, x.device, "gated_mlp")
     tensors = (x, weight, bias, down_weight, down_bias, x_lr, b_lr)
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
-    y, _, h = _gated_mlp_op(x2d, weight, bias, down_weight, down_bias, xlr2d, b_lr, *_epilogue_args(epilogue), store,
-                            return_h, backend)
+    y, _, h = gated_mlp_op(x2d, weight, bias, down_weight, down_bias, xlr2d, b_lr, *epilogue_args(epilogue), store,
+                           return_h, backend)
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])
         h = h.view(*x.shape[:-1], h.shape[-1]) if return_h else h

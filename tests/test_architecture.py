@@ -3,8 +3,7 @@
 Every import counts, also the ones inside functions (a lazy import can hold a cycle open).
 - no cycle among the modules of swiglu_patch, swiglu_patch.kernels and swiglu_patch.evals;
 - kernels/ knows tensors, never models: it imports nothing from swiglu_patch outside itself;
-- inside kernels/, a kernel file imports only the leaves, and only the dispatchers (`dispatch`,
-  `dispatch_training`) import kernels;
+- inside kernels/, a kernel file imports only the leaves, and only the dispatchers import kernels;
 - evals/ uses swiglu_patch's public API (the package itself), never its internals; besides it,
   only the tools' leaves: provenance (where a result ran) and inputs (argument and hub checks).
 """
@@ -16,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"swiglu_patch": ROOT / "swiglu_patch", "swiglu_patch.kernels": ROOT / "kernels",
             "swiglu_patch.evals": ROOT / "evals"}
 LEAVES = {"layout", "epilogue", "reference", "configs", "device", "jit_common", "launcher"}
-DISPATCHERS = {"dispatch", "dispatch_training"}
+DISPATCHERS = {"dispatch"}
 KERNEL_FILES = {"gated_gemm_pointer", "gated_gemm_tma", "gated_gemm_tma_grid", "gated_gemv", "gated_backward_pointer",
                 "gated_backward_tma"}
 

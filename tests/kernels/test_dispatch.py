@@ -1,8 +1,9 @@
-"""The dispatch table (kernels/rules.py) and `dispatch.gated_gemm`'s choice of kernel.
+"""The planner (kernels/dispatch.py) and its tables (kernels/rules.py).
 
-Table properties (buckets, kernels, cited sweeps, full coverage), the choice per GPU and shape
-as the sweeps decided it, `explain`, and on a GPU that `gated_gemm` runs what `choose` names,
-eager and captured into a CUDA graph.
+Table properties (buckets, kernels, cited sweeps, full coverage for every op), the kernels'
+capability records against their `can_run`, the choice per GPU and shape as the sweeps decided
+it, `explain` (and the command line's refusal), the one plan cache, and on a GPU that
+`gated_gemm` runs what `choose` names, eager and captured into a CUDA graph.
 """
 
 from pathlib import Path
@@ -14,7 +15,7 @@ from helpers import CUDA, DEVICE, check, make_case, packed_of
 from swiglu_patch.kernels import dispatch
 from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.configs import m_bucket
-from swiglu_patch.kernels.rules import KERNELS, RULES
+from swiglu_patch.kernels.rules import BACKWARD_KERNELS, KERNELS, RULES, TABLES
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
@@ -40,14 +41,80 @@ def test_rules_name_known_kernels_and_existing_sweeps():
             assert (RESULTS / path).is_file(), f"rule {n} cites {path}, which is not under benchmarks/results/"
 
 
+@pytest.mark.parametrize("op", list(dispatch.OPS))
 @pytest.mark.parametrize("gpu", [H100, H200, "NVIDIA A100-SXM4-80GB", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_call_gets_a_rule(gpu, dtype):
+def test_every_call_of_every_op_gets_a_rule_its_kernel_serves(op, gpu, dtype):
+    if gpu == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("refused before any rule: test_cpu_bf16_is_refused_not_explained")
+    table, features = dispatch.OPS[op]
     for m in (1, 2, 17, 33, 65, 129, 1025, 4097, 100000):
         for k, i in [(64, 72), (4096, 14336), (8192, 28672)]:
-            for aligned in (True, False):
-                _, rule, config = dispatch.choose(gpu, dtype, m, k, i, captured=True, tma_aligned=aligned)
-                assert dispatch._runs(rule.kernel, dtype, m, i, aligned), (gpu, m, k, i, rule)
+            for aligned, captured in ((True, True), (False, True), (True, False)):
+                _, rule, config = dispatch.choose(gpu, dtype, m, k, i, captured, tma_aligned=aligned, op=op)
+                cap = dispatch.MODULES[rule.kernel].CAPABILITY
+                assert table in cap.ops and features <= cap.features, (op, rule)
+                assert cap.runs(dtype, m, i, aligned), (op, gpu, m, k, i, rule)
+
+
+def test_capability_records_agree_with_the_tables_and_with_can_run():
+    """Each table's kernels serve it; a record's tensor-free `runs` says what its file's `can_run`
+    says on tensors (dtypes, M, I, alignment)."""
+    assert set(TABLES) == {t for t, _ in dispatch.OPS.values()}
+    assert KERNELS == tuple(n for n, m in dispatch.MODULES.items() if "forward" in m.CAPABILITY.ops)
+    assert BACKWARD_KERNELS == tuple(n for n, m in dispatch.MODULES.items() if "backward" in m.CAPABILITY.ops)
+    for table, rules in TABLES.items():
+        assert all(table in dispatch.MODULES[r.kernel].CAPABILITY.ops for r in rules), table
+        assert dispatch.MODULES[rules[-1].kernel].CAPABILITY.runs_every_call, f"{table} must end with a catch-all"
+    for dtype in (torch.float16, torch.float32):
+        for m, k, i in [(1, 64, 48), (2, 64, 48), (1, 64, 40), (3, 60, 48), (5, 64, 32)]:
+            for offset in (0, 1):  # 1: x starts 2 or 4 bytes past an aligned address
+                x = torch.zeros(m * k + offset, dtype=dtype)[offset:].view(m, k)
+                w, out = torch.zeros(2 * i, k, dtype=dtype), torch.zeros(m, i, dtype=dtype)
+                aligned = offset == 0 and (k * x.element_size()) % 16 == 0 and (i * x.element_size()) % 16 == 0
+                for name, module in dispatch.MODULES.items():
+                    if "forward" in module.CAPABILITY.ops:
+                        runs = module.CAPABILITY.runs(dtype, m, i, aligned)
+                        assert module.can_run(x, w, out) == runs, (name, m, k, i)
+                dy, wd = torch.zeros(m, k, dtype=dtype)[:, :], torch.zeros(k, i, dtype=dtype)
+                p = torch.zeros(m * 2 * i + offset, dtype=dtype)[offset:].view(m, 2 * i)
+                aligned = offset == 0 and (k * x.element_size()) % 16 == 0 and (i * x.element_size()) % 16 == 0
+                for name in BACKWARD_KERNELS:
+                    module = dispatch.MODULES[name]
+                    got = module.can_run(dy, wd, p, p, out)
+                    assert got == module.CAPABILITY.runs(dtype, m, i, aligned), (name, m, k, i, offset)
+
+
+def test_cpu_bf16_is_refused_not_explained(capsys):
+    """The interpreter refuses bf16 at run time, so `explain` names no kernel for it, and the command
+    line says why in one line with exit status 2."""
+    from swiglu_patch.cli import main
+
+    with pytest.raises(ValueError, match="refused.*interpreter computes bfloat16"):
+        dispatch.explain("cpu", torch.bfloat16, 8, 64, 48)
+    with pytest.raises(ValueError, match="refused"):
+        dispatch.choose("cpu", torch.bfloat16, 8, 64, 48, op="backward")
+    assert main(["explain", "--gpu", "cpu", "--dtype", "bf16", "--m", "8", "--k", "64", "--i", "48"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert "refused" in captured.err and "CHOSEN" not in captured.err
+    assert main(["explain", "--gpu", "cpu", "--dtype", "fp16", "--m", "8", "--k", "64", "--i", "48"]) == 0
+    assert "pointer" in capsys.readouterr().out.split("CHOSEN")[0].splitlines()[-1]
+
+
+def test_explain_op_on_the_command_line(capsys):
+    """`--op` reads the op's table: training's backward GEMM, and the forward that stores P (no GEMV)."""
+    from swiglu_patch import explain_cli
+    from swiglu_patch.cli import main
+
+    assert explain_cli.OPS == tuple(dispatch.OPS)
+    assert main(["explain", "--op", "backward", "--m", "4096", "--k", "4096", "--i", "14336"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("backward call") and "backward_tma" in out.split("CHOSEN")[0].splitlines()[-1]
+    assert main(["explain", "--op", "forward_low_rank_preact", "--m", "1", "--k", "4096", "--i", "14336"]) == 0
+    out = capsys.readouterr().out
+    assert "gemv" in out and "the gemv kernel has no store_preact" in out
+    assert "pointer" in out.split("CHOSEN")[0].splitlines()[-1]
 
 
 def _kernel(gpu, m, name, captured=False, dtype=torch.bfloat16):
@@ -128,10 +195,20 @@ def test_explain_names_the_rule_and_why_the_others_missed():
     assert "the tma kernel cannot run these tensors" in unaligned
 
 
-def test_plans_hold_no_tensors():
+def test_one_plan_cache_for_every_op_holding_no_tensors(monkeypatch):
+    monkeypatch.setattr(dispatch, "_PLANS", {})
     x, gate, up, _, _ = make_case(3, 32, 48, torch.float32, bias=False)
-    dispatch.gated_gemm(x, packed_of(gate, up))
-    assert dispatch._PLANS
+    w = packed_of(gate, up)
+    dispatch.gated_gemm(x, w)
+    _, preact = dispatch.gated_gemm_with_preact(x, w)
+    dispatch.gated_gemm_low_rank(x, w, x[:, :4], w[:, :4], store_preact=True)
+    dispatch.gated_backward(x, gate.t().contiguous(), preact.clone())
+    dispatch.gated_backward(x, gate.t().contiguous(), preact.clone(), dh_in=x.new_zeros(3, 48))
+    ops = {key[0] for key in dispatch._PLANS if isinstance(key[0], str)}
+    assert ops == {"forward_preact", "forward_low_rank_preact", "backward", "backward_dh_in"}, dispatch._PLANS.keys()
+    assert len(dispatch._PLANS) == 5  # and gated_gemm's own signature
+    dispatch.gated_gemm_with_preact(x, w)  # a repeated call builds nothing
+    assert len(dispatch._PLANS) == 5
 
     def tensors_in(obj, depth=0):
         if isinstance(obj, torch.Tensor):

@@ -275,12 +275,12 @@ def test_repeated_calls_through_the_fast_launch(kernel, m, k, i):
     """Later calls skip Triton's binding (`launcher.FastLaunch`): each must still write every
     element right, also when a call's pointers lose the 16-byte alignment the first call had
     (a new specialization), and when the output has other strides."""
-    from swiglu_patch.kernels.dispatch import _MODULES
+    from swiglu_patch.kernels.dispatch import MODULES
 
     dtype = TMA_DTYPES[-1] if kernel == "tma" else KERNEL_DTYPES[-1]
     x, gate, up, bg, bu = make_case(m + 1, k + 8, i, dtype, bias=True)
     packed, bias = packed_of(gate, up), packed_of(bg, bu)
-    launch = _MODULES[kernel].make_launcher(
+    launch = MODULES[kernel].make_launcher(
         SMALL[kernel] if not CUDA else C(64, 64, 64, num_warps=4, num_stages=3) if kernel != "gemv" else C(1, 32, 64),
         dict(GatedEpilogue("silu").constexprs(), APPROX_TANH=False), True, dtype)
     cases = [(x[:m, :k], packed[:, :k]), (x[:m, :k], packed[:, :k])]

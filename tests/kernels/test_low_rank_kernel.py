@@ -1,5 +1,5 @@
 """The kernels' LoRA paths against float64: the low-rank segment of the pointer, TMA and GEMV
-kernels (`dispatch_training.gated_gemm_low_rank`) and the backward kernels' dh_in input.
+kernels (`dispatch.gated_gemm_low_rank`) and the backward kernels' dh_in input.
 
 The low-rank segment computes the gated GEMM over [x | x_lr] against [W | b_lr]; the check
 is `helpers.check` on exactly those concatenated operands (gate rows [Wg | Bg], up rows
@@ -12,7 +12,7 @@ import torch
 from helpers import CUDA, DEVICE, EPS, KERNEL_DTYPES, check, make_case, packed_of, rel_err
 
 from swiglu_patch.kernels.configs import GatedGemmConfig as C
-from swiglu_patch.kernels.dispatch_training import gated_backward, gated_gemm_low_rank
+from swiglu_patch.kernels.dispatch import gated_backward, gated_gemm_low_rank
 from swiglu_patch.kernels.layout import split_interleaved
 
 # (m, k, i, r): 1 token; I not a multiple of 16; r of 1, below, at and past the segment's step of 16

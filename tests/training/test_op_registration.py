@@ -9,7 +9,8 @@ import torch
 from helpers import DEVICE, KERNEL_DTYPES, make_case, packed_of
 
 from swiglu_patch.kernels.layout import PackedGateUp
-from swiglu_patch.training import _dpreact_op, _gated_mlp_op, gated_mlp
+from swiglu_patch.ops import gated_gemm_low_rank_op, gated_mlp_dpreact_op, gated_mlp_op
+from swiglu_patch.training import gated_mlp
 
 BACKEND = "triton"  # under the interpreter on CPU
 
@@ -38,7 +39,7 @@ def test_opcheck_gated_mlp(backend, store, low_rank):
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if not store:
         utils += ("test_aot_dispatch_dynamic",)
-    result = torch.library.opcheck(_gated_mlp_op, args, test_utils=utils)
+    result = torch.library.opcheck(gated_mlp_op, args, test_utils=utils)
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -48,7 +49,7 @@ def test_opcheck_dpreact(backend):
     for dh_in in (None, torch.randn(m, i, device=DEVICE)):
         args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE),
                 torch.randn(m, 2 * i, device=DEVICE), dh_in, "gelu_tanh", 1.0, 1.0, 0, 0.0, backend)
-        result = torch.library.opcheck(_dpreact_op, args)
+        result = torch.library.opcheck(gated_mlp_dpreact_op, args)
         assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -122,11 +123,10 @@ def test_errors_name_the_problem():
 
 def test_opcheck_low_rank_inference_op():
     """``swiglu_patch::gated_gemm_low_rank`` (LoRA inference through the kernel's low-rank segment)."""
-    from swiglu_patch.low_rank import _low_rank_op
 
     x, w, b, _, _ = _leaves(dtype=torch.float32, requires_grad=False)
     args = (x, w, b, torch.randn(x.shape[0], 5, device=DEVICE), torch.randn(w.shape[0], 5, device=DEVICE),
             "silu", 1.0, 1.0, 0, 0.0)
     utils = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
-    result = torch.library.opcheck(_low_rank_op, args, test_utils=utils)
+    result = torch.library.opcheck(gated_gemm_low_rank_op, args, test_utils=utils)
     assert set(result.values()) == {"SUCCESS"}, result

@@ -1,0 +1,289 @@
+"""The registered ops (torch.library): what autograd, torch.compile and CUDA graphs see of the kernels.
+
+- ``swiglu_patch::gated_gemm`` (`gated_gemm_op`): out [M, I] = epilogue(x @ W^T + b), inference;
+- ``swiglu_patch::gated_gemm_low_rank`` (`gated_gemm_low_rank_op`): the same with LoRA's
+  low-rank segment, P = x @ W^T + x_lr @ b_lr^T + b (inference);
+- ``swiglu_patch::gated_mlp`` (`gated_mlp_op`): the whole gated MLP through down_proj, with its
+  autograd formula registered on it (`swiglu_patch.training` has the formulas and modes);
+- ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P.
+
+Every op takes the epilogue as plain values (`epilogue_args`, read back by `epilogue_of`) and
+runs the kernels (`dispatcher()`: `swiglu_patch.kernels.dispatch`, imported on first use so
+that the torch backend needs no Triton) or, for the MLP ops with backend "torch", the same
+formulas in PyTorch. `resolve_backend` is the one backend choice of every functional entry point.
+
+Shapes: x [M, K] (2-D: callers flatten leading dims), packed weight [2*I, K] and bias [2*I]
+interleaved (`kernels/layout.py`), down weight [K', I] and bias [K'], x_lr [M, r], b_lr [2*I, r];
+one floating dtype for all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from .kernels.layout import interleave_gate_up, split_interleaved
+
+BACKENDS = ("auto", "triton", "torch")
+_CLAMPS = {code: name for name, code in CLAMP_CODES.items()}
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+DISPATCH = None  # swiglu_patch.kernels.dispatch, once imported
+
+
+def dispatcher():
+    """The kernels' planner module (`swiglu_patch.kernels.dispatch`), imported on first use.
+
+    Raises:
+        ImportError: Triton is missing or broken, with the fix."""
+    global DISPATCH
+    if DISPATCH is None:
+        try:
+            from .kernels import dispatch
+        except ImportError as e:  # triton missing (not Linux) or broken
+            raise ImportError(f"swiglu_patch: backend='triton' needs Triton ({e}); `pip install triton` on Linux, or "
+                              "use backend='torch'") from e
+        DISPATCH = dispatch
+    return DISPATCH
+
+
+def resolve_backend(backend: str, device: torch.device, fn: str = "gated_linear") -> str:
+    """The backend a call on tensors on `device` runs for `backend`: "auto" takes Triton on CUDA,
+    PyTorch elsewhere (`fn` names the caller in errors).
+
+    Raises:
+        ValueError: an unknown backend name.
+        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not dispatcher().interpreting():
+        raise RuntimeError(f"{fn}: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use "
+                           "backend='torch'")
+    return backend
+
+
+def epilogue_args(epilogue: GatedEpilogue) -> tuple:
+    """(activation, gate_scale, out_scale, clamp code, limit): the epilogue as the ops take it."""
+    return (epilogue.activation, epilogue.gate_scale, epilogue.out_scale,
+            CLAMP_CODES[None if epilogue.limit is None else epilogue.clamp], epilogue.limit or 0.0)
+
+
+def epilogue_of(activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float) -> GatedEpilogue:
+    """The `GatedEpilogue` that `epilogue_args` wrote."""
+    return GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, _CLAMPS[clamp] or "gate")
+
+
+# -- inference ---------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("swiglu_patch::gated_gemm", mutates_args=())
+def gated_gemm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str,
+                  gate_scale: float, out_scale: float, clamp: int, limit: float) -> torch.Tensor:
+    """[M, I] from x [M, K], weight [2*I, K], bias [2*I] or None: the gated GEMM."""
+    return dispatcher().gated_gemm(x, weight, epilogue_of(activation, gate_scale, out_scale, clamp, limit), bias)
+
+
+@gated_gemm_op.register_fake
+def _(x, weight, bias, activation, gate_scale, out_scale, clamp, limit):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+@torch.library.custom_op("swiglu_patch::gated_gemm_low_rank", mutates_args=())
+def gated_gemm_low_rank_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, x_lr: torch.Tensor,
+                           b_lr: torch.Tensor, activation: str, gate_scale: float, out_scale: float, clamp: int,
+                           limit: float) -> torch.Tensor:
+    """[M, I] from x [M, K], weight [2*I, K], x_lr [M, r], b_lr [2*I, r]: the kernel's low-rank segment."""
+    epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
+    return dispatcher().gated_gemm_low_rank(x, weight, x_lr, b_lr, epilogue, bias)[0]
+
+
+@gated_gemm_low_rank_op.register_fake
+def _(x, weight, bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit):
+    return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+# -- training: the backward epilogue in PyTorch (the spec of the kernels' derivative) ----------
+
+
+def _activation_and_grad(g: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(g), act'(g)) in g's dtype."""
+    if activation == "silu":
+        s = torch.sigmoid(g)
+        return g * s, s * (1 + g * (1 - s))
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g**3))
+        gc = g.clamp(-10, 10)  # past |g| = 10, 1 - t^2 is 0 and g^3 could overflow into 0 * inf
+        return 0.5 * g * (1 + t), 0.5 * (1 + t) + 0.5 * gc * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 0.134145 * gc * gc)
+    cdf = 0.5 * (1 + torch.erf(g * 0.7071067811865476))
+    return g * cdf, cdf + g * _INV_SQRT_2PI * torch.exp(-0.5 * g * g)
+
+
+def gated_epilogue_grad_reference(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+                                  epilogue: GatedEpilogue) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, dgate, dup): h = epilogue.apply(gate, up) and the gradients of sum(dh * h).
+
+    A clamp passes no gradient where it clips (torch.clamp's backward): up where it is outside
+    [-limit, limit]; clamp "gate": gate where gate_scale * gate > limit; clamp "activation":
+    where act(gate_scale * gate) > limit.
+
+    Args:
+        gate, up, dh: [M, I] each, one floating dtype (the caller upcasts 16-bit ones).
+
+    Returns:
+        (h, dgate, dup), [M, I] each in that dtype.
+    """
+    e = epilogue
+    g = gate * e.gate_scale if e.gate_scale != 1.0 else gate
+    gate_passes = up_passes = None
+    if e.limit is not None:
+        up_passes = (up >= -e.limit) & (up <= e.limit)
+        up = up.clamp(-e.limit, e.limit)
+        if e.clamp == "gate":
+            gate_passes = g <= e.limit
+            g = g.clamp(max=e.limit)
+    a, da = _activation_and_grad(g, e.activation)
+    if e.limit is not None and e.clamp == "activation":
+        gate_passes = a <= e.limit
+        a = a.clamp(max=e.limit)
+    h = a * up
+    if e.out_scale != 1.0:
+        h = h * e.out_scale
+        dh = dh * e.out_scale
+    dup = dh * a
+    dgate = dh * up * da
+    if up_passes is not None:
+        dup = torch.where(up_passes, dup, 0)
+        dgate = torch.where(gate_passes, dgate, 0)
+    if e.gate_scale != 1.0:
+        dgate = dgate * e.gate_scale
+    return h, dgate, dup
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+# -- training: the MLP op and its backward ------------------------------------------------------
+
+
+@torch.library.custom_op("swiglu_patch::gated_mlp", mutates_args=())
+def gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                 down_weight: torch.Tensor, down_bias: torch.Tensor | None, x_lr: torch.Tensor | None,
+                 b_lr: torch.Tensor | None, activation: str, gate_scale: float, out_scale: float, clamp: int,
+                 limit: float, store_preact: bool, return_h: bool,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [M, K], P [M, 2*I], h [M, I]) for 2-D x [M, K]; P and h are 0-element tensors unless
+    store_preact and return_h ask for them. x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
+    epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
+    if backend == "triton":
+        kernels = dispatcher()
+        if x_lr is not None:
+            h, preact = kernels.gated_gemm_low_rank(x, gate_up_weight, x_lr, b_lr, epilogue, gate_up_bias,
+                                                    store_preact)
+        elif store_preact:
+            h, preact = kernels.gated_gemm_with_preact(x, gate_up_weight, epilogue, gate_up_bias)
+        else:
+            h, preact = kernels.gated_gemm(x, gate_up_weight, epilogue, gate_up_bias), None
+    else:
+        acc = _acc_dtype(x.dtype)
+        p = F.linear(x, gate_up_weight, gate_up_bias)
+        p_acc = p.to(acc) if x_lr is None else p.to(acc) + F.linear(x_lr, b_lr).to(acc)
+        gate, up = split_interleaved(p_acc, -1)
+        h = epilogue.apply(gate, up).to(x.dtype)
+        preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
+    y = F.linear(h, down_weight, down_bias)
+    return y, x.new_empty(0) if preact is None else preact, h if return_h else x.new_empty(0)
+
+
+@gated_mlp_op.register_fake
+def _(x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp,
+      limit, store_preact, return_h, backend):
+    preact = x.new_empty((x.shape[0], gate_up_weight.shape[0])) if store_preact else x.new_empty(0)
+    h = x.new_empty((x.shape[0], down_weight.shape[1])) if return_h else x.new_empty(0)
+    return x.new_empty((x.shape[0], down_weight.shape[0])), preact, h
+
+
+@torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", mutates_args=("preact",))
+def gated_mlp_dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
+                         activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
+                         backend: str) -> torch.Tensor:
+    """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
+    an optional further gradient of h, dh_in [M, I] (added to dY @ Wd)."""
+    epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
+    if backend == "triton":
+        _, h = dispatcher().gated_backward(dy, down_weight, preact, epilogue, dpreact_out=preact, dh_in=dh_in)
+        return h
+    acc = _acc_dtype(dy.dtype)
+    gate, up = split_interleaved(preact.to(acc), -1)
+    dh = dy.to(acc) @ down_weight.to(acc)
+    if dh_in is not None:
+        dh = dh + dh_in.to(acc)
+    h, dgate, dup = gated_epilogue_grad_reference(gate, up, dh, epilogue)
+    preact.copy_(interleave_gate_up(dgate.t(), dup.t()).t())
+    return h.to(dy.dtype)
+
+
+@gated_mlp_dpreact_op.register_fake
+def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
+    return dy.new_empty((dy.shape[0], down_weight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, *epilogue, store_preact, _, backend = inputs
+    _, preact, _ = output
+    ctx.mark_non_differentiable(preact)
+    ctx.set_materialize_grads(False)  # no [M, 2*I] of zeros for P's (absent) gradient
+    ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
+                          preact if store_preact else None, x_lr, b_lr)
+    ctx.epilogue_args, ctx.store_preact, ctx.backend = tuple(epilogue), store_preact, backend
+
+
+def _sum_rows(t: torch.Tensor) -> torch.Tensor:
+    """sum over dim 0 in fp32 (or wider), rounded once to t's dtype."""
+    return t.sum(0, dtype=_acc_dtype(t.dtype)).to(t.dtype)
+
+
+def _backward(ctx, dy, _dpreact, dh_in):
+    need_x, need_w, need_b, need_wd, need_bd, need_xlr, need_blr = ctx.needs_input_grad[:7]
+    none = (None,) * 8
+    if dh_in is not None and dh_in.numel() == 0:  # h was not returned (a traced backward materializes its 0 elements)
+        dh_in = None
+    if dy is None and dh_in is None:
+        return (None,) * 7 + none
+    x, gate_up_weight, gate_up_bias, down_weight, preact, x_lr, b_lr = ctx.saved_tensors
+    dy = x.new_zeros((x.shape[0], down_weight.shape[0])) if dy is None else dy.contiguous()
+    dx = dw = db = dwd = dbd = dxlr = dblr = None
+    if need_bd:
+        dbd = _sum_rows(dy)
+    if need_x or need_w or need_b or need_wd or need_xlr or need_blr:
+        if not ctx.store_preact:  # recompute: one GEMM (and the low-rank segment's)
+            preact = F.linear(x, gate_up_weight, gate_up_bias)
+            if x_lr is not None:
+                preact = torch.addmm(preact, x_lr, b_lr.t())
+        h = gated_mlp_dpreact_op(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
+        dpreact = preact  # dP now, written over P
+        if need_wd:
+            dwd = dy.t() @ h
+        del h
+        if need_x:
+            dx = dpreact @ gate_up_weight
+        if need_w:
+            dw = dpreact.t() @ x
+        if need_b:
+            db = _sum_rows(dpreact)
+        if need_xlr:
+            dxlr = dpreact @ b_lr
+        if need_blr:
+            dblr = dpreact.t() @ x_lr
+    return (dx, dw, db, dwd, dbd, dxlr, dblr) + none
+
+
+gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
