@@ -128,3 +128,26 @@ def test_sft_trainer_takes_a_patched_model_and_a_plain_lora_config(tmp_path):
     assert isinstance(mlp, FusedGatedMLP) and type(mlp.gate_proj) is PackedLoraLinear
     assert len(losses) == 6 and losses[-1] < losses[0], losses
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_all_linear_targets_what_plain_peft_targets(order):
+    """target_modules="all-linear" lists nn.Linear layers; on a patched model the packed gate/up are
+    listed too, so the adapters sit where plain PEFT puts them."""
+    base = tiny_model("llama")
+    torch.manual_seed(0)
+    ref = get_peft_model(copy.deepcopy(base), LoraConfig(target_modules="all-linear"))
+    ours = copy.deepcopy(base)
+    if order == "patch_then_peft":
+        apply_fused_mlp(ours, backend="torch")
+        torch.manual_seed(0)
+        ours = get_peft_model(ours, LoraConfig(target_modules="all-linear"))
+    else:
+        torch.manual_seed(0)
+        ours = get_peft_model(ours, LoraConfig(target_modules="all-linear"))
+        apply_fused_mlp(ours, backend="torch")
+    assert set(ours.peft_config["default"].target_modules) == set(ref.peft_config["default"].target_modules)
+    state, ref_state = get_peft_model_state_dict(ours), get_peft_model_state_dict(ref)
+    assert state.keys() == ref_state.keys() and any("gate_proj" in k for k in state)
+    assert all(torch.equal(state[k], ref_state[k]) for k in state)
+    assert type(ours.base_model.model.model.layers[0].mlp.up_proj) is PackedLoraLinear
