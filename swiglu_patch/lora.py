@@ -257,15 +257,20 @@ def _quantized_base(layer: LoraLayer) -> str | None:
     return None
 
 
+_FIX = "merge the adapters into the base first (peft_model.merge_and_unload()), or train it without swiglu-patch"
+
+
 def _check_wrapper(path: str, layer: LoraLayer) -> None:
     if type(layer) not in (LoraLinear, PackedLoraLinear):
         raise ValueError(f"swiglu_patch.lora: {path} is a {type(layer).__module__}.{type(layer).__name__}; the fused "
-                         "GEMM runs PEFT's lora.Linear on gate/up only")
+                         f"GEMM runs PEFT's lora.Linear on gate/up only: {_FIX}")
     if layer.lora_variant:
         raise ValueError(f"swiglu_patch.lora: {path} uses a LoRA variant ({', '.join(layer.lora_variant)}: "
-                         f"{type(next(iter(layer.lora_variant.values()))).__name__}), which the fused GEMM cannot run")
+                         f"{type(next(iter(layer.lora_variant.values()))).__name__}), which the fused GEMM cannot "
+                         f"run: {_FIX}")
     if any(layer.lora_bias.values()):
-        raise ValueError(f"swiglu_patch.lora: {path} has lora_bias=True, which the packed projections do not support")
+        raise ValueError(f"swiglu_patch.lora: {path} has lora_bias=True, which the packed projections do not "
+                         f"support: {_FIX}")
 
 
 def _gated_family(module: nn.Module) -> MLPFamily | None:
