@@ -28,6 +28,13 @@ What is live, M = B * T tokens, e = bytes per activation element (2 for bf16):
   layer ends.
 - **Logits**: lm_head on the last ``logits_to_keep`` positions only (1, as servers do); 0 = all.
 
+- **Experts block** (mixture-of-experts layers): :mod:`swiglu_patch.memory.moe_walk`, HF's
+  default ``grouped_mm`` path against swiglu-patch's fused grouped GEMMs. Shared experts and
+  dense layers are dense MLPs as above.
+- **Latent attention** (DeepSeek, ``attention="flash"`` only): q_a, its norm, q [M, H (nope +
+  rope)], the kv latent [M, kv_lora + rope], its norm, kv_b [M, H (nope + v)], k [M, H (nope +
+  rope)], the output [M, H v]: counted from the projections' sizes, not walked through HF's code.
+
 ``attention="flash"`` instead assumes a fused attention kernel for every layer (no masks, no
 k/v repeats, no [T, T] tensors), and ``server_kernels=True`` RMSNorm and RoPE kernels as servers
 (vLLM, SGLang) run them: a norm writes only its output (no fp32 copies), RoPE rotates q and k in
@@ -39,6 +46,7 @@ plus its act-and-mul output [M, I] is the same 3 * M * I as HF eager.
 from __future__ import annotations
 
 from swiglu_patch.memory.live_set import LiveSet, Peak
+from swiglu_patch.memory.moe_walk import moe_block
 from swiglu_patch.memory.shape import SLIDING, ModelShape
 
 ATTENTION_MODES = ("hf", "flash")
@@ -46,22 +54,57 @@ _F32 = 4
 _I64 = 8
 
 
-def predict_mlp_peak(shape: ModelShape, tokens: int, *, fused: bool, dtype_bytes: int = 2) -> Peak:
-    """Peak bytes above the input of one MLP forward on [tokens, K].
+def predict_mlp_peak(shape: ModelShape, tokens: int, *, fused: bool, dtype_bytes: int = 2, layer: int = 0) -> Peak:
+    """Peak bytes above the input of one MLP forward on [tokens, K]: ``model.model.layers[layer].mlp(x)``.
 
     Args:
-        shape: the model (K, I, family).
+        shape: the model (K, I, family; the experts of a mixture-of-experts model).
         tokens: M, all leading dims flattened (batch * sequence).
-        fused: swiglu-patch's fused first half instead of HF eager.
+        fused: swiglu-patch's fused first half (fused grouped experts) instead of HF's default.
         dtype_bytes: bytes per activation element (2 for bf16/fp16, 4 for fp32).
+        layer: which decoder layer's MLP (the profiler measures layer 0's): a dense MLP or an
+            experts block (see :func:`predict_moe_peak`).
 
     Returns:
-        The :class:`Peak`: eager 3*M*I*e (Phi-3: 4*M*I*e), fused (M*I + M*K)*e.
+        The :class:`Peak`: dense eager 3*M*I*e (Phi-3: 4*M*I*e), fused (M*I + M*K)*e.
+
+    Raises:
+        ValueError: a non-positive size, or a layer the model does not have.
     """
     _check_positive(tokens=tokens, dtype_bytes=dtype_bytes)
+    if not 0 <= layer < shape.num_layers:
+        raise ValueError(f"layer must be in [0, {shape.num_layers}), got {layer}")
     walk = _Walk(shape, batch=1, seq_len=tokens, fused=fused, e=dtype_bytes, attention="hf", use_cache=False)
-    walk.mlp("mlp", tag="mlp")
+    walk.ffn("mlp", layer, tag="mlp")
     return walk.ls.peak
+
+
+def predict_moe_peak(shape: ModelShape, tokens: int, *, fused: bool, dtype_bytes: int = 2) -> Peak:
+    """Peak bytes above the input of one experts block forward on [tokens, K] (the first sparse layer's).
+
+    What ``torch.cuda.max_memory_allocated()`` minus ``memory_allocated()`` before the call reads
+    around ``layer.mlp(x)`` for x [1, tokens, K] under ``torch.inference_mode()``, up to 512-byte
+    rounding and the grouped GEMMs' workspaces. HF's default (``grouped_mm``) or, with
+    ``fused``, swiglu-patch's grouped experts; the router is HF's either way, and a shared
+    expert is a dense MLP (fused with ``fused``). See :mod:`swiglu_patch.memory.moe_walk`.
+
+    Args:
+        shape: a mixture-of-experts model (``shape.moe`` set); shard it with ``shape.sharded(tp)``
+            for one GPU's share under tensor parallelism.
+        tokens: T tokens into the block (batch * sequence).
+        fused: swiglu-patch's fused experts instead of HF's default.
+        dtype_bytes: bytes per activation element.
+
+    Returns:
+        The :class:`Peak`, with the step that reached it.
+
+    Raises:
+        ValueError: a dense model, or a non-positive size.
+    """
+    if shape.moe is None or not shape.moe.num_sparse_layers:
+        raise ValueError(f"{shape.name}: not a mixture-of-experts model (no experts block); use predict_mlp_peak")
+    return predict_mlp_peak(shape, tokens, fused=fused, dtype_bytes=dtype_bytes,
+                            layer=shape.moe.sparse_layers.index(True))
 
 
 def predict_prefill_peak(
@@ -100,6 +143,10 @@ def predict_prefill_peak(
     _check_positive(batch=batch, seq_len=seq_len, dtype_bytes=dtype_bytes)
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if attention == "hf" and shape.layout.hf_attention == "unwalked":
+        raise NotImplementedError(
+            f"{shape.name}: HF's own attention for {shape.family} is not modelled (only its MLP or experts block, "
+            "and a server's fused attention); use attention='flash' (CLI: --what mlp, or kv-capacity)")
     if logits_to_keep < 0:
         raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
     walk = _Walk(shape, batch, seq_len, fused=fused, e=dtype_bytes, attention=attention, use_cache=use_cache,
@@ -142,7 +189,13 @@ class _Walk:
         ls.free(f"{out}.pow")
         ls.alloc(f"{out}.scaled", n * _F32, "norm", f"{w} x * rsqrt(var)")
         ls.free(f"{out}.f32")
-        if self.layout.norm_style == "llama":  # weight * x.to(dtype)
+        if self.layout.norm_style == "gpt_oss":  # (weight * x).to(dtype): x stays referenced until it returns
+            ls.alloc(f"{out}.weighted", n * _F32, "norm", f"{w} weight * x")
+            ls.alloc(out, n * e if up else 0, out_kind, f"{w} .to(dtype)")
+            if not up:
+                ls.rename(f"{out}.weighted", out, out_kind)
+            ls.free(f"{out}.weighted", f"{out}.scaled")
+        elif self.layout.norm_style == "llama":  # weight * x.to(dtype)
             if up:
                 ls.alloc(f"{out}.cast", n * e, "norm", f"{w} .to(dtype)")
             ls.alloc(out, n * e, out_kind, f"{w} weight * x")
@@ -158,10 +211,15 @@ class _Walk:
         return out
 
     def rope(self, src: str, n: int, out: str) -> str:
-        """q * cos + rotate_half(q) * sin: three temporaries of ``n`` elements besides the output."""
+        """q * cos + rotate_half(q) * sin: three temporaries of ``n`` elements besides the output.
+
+        With a rotary fraction below 1 (GLM) only that share of ``n`` is rotated here; the caller
+        concatenates the pass-through part (:meth:`attention`).
+        """
         ls, e, w = self.ls, self.e, f"{out}: rope"
         if self.server_kernels:  # rotated in place
             return src
+        n = int(n * self.layout.rotary_fraction)
         ls.alloc(f"{out}.cos", n * e, "attention", f"{w} x * cos")
         ls.alloc(f"{out}.neg", n * e // 2, "attention", f"{w} -x2")
         ls.alloc(f"{out}.rot", n * e, "attention", f"{w} cat(-x2, x1)")
@@ -172,9 +230,14 @@ class _Walk:
         ls.free(f"{out}.cos", f"{out}.sin")
         return out
 
-    def mlp(self, x: str, tag: str) -> str:
-        """The MLP on ``x`` [M, K]; returns the down_proj output's name."""
-        ls, M, K, I, e = self.ls, self.M, self.s.hidden_size, self.s.intermediate_size, self.e
+    def ffn(self, x: str, layer: int, tag: str) -> str:
+        """Layer ``layer``'s MLP or experts block on ``x`` [M, K]; returns its output's name."""
+        return moe_block(self, x, tag) if self.s.is_sparse(layer) else self.mlp(x, tag)
+
+    def mlp(self, x: str, tag: str, intermediate_size: int | None = None) -> str:
+        """A dense MLP (of the model's I unless given) on ``x`` [M, K]; returns the down_proj output's name."""
+        ls, M, K, e = self.ls, self.M, self.s.hidden_size, self.e
+        I = intermediate_size or self.s.intermediate_size  # noqa: E741
         if self.fused:
             ls.alloc(f"{tag}.h", M * I * e, "mlp", f"{tag}: fused act(gate) * up")
             ls.alloc(f"{tag}.down", M * K * e, "hidden", f"{tag}: down_proj")
@@ -202,6 +265,8 @@ class _Walk:
         """Self-attention on the normed ``x``; returns o_proj's output name."""
         ls, s, M, e = self.ls, self.s, self.M, self.e
         tag = f"layer {layer} attn"
+        if s.mla:
+            return self.latent_attention(tag)
         nq, nkv = M * s.q_dim, M * s.kv_dim
         views: list[str] = []  # tensors q/k/v are views of (freed when attention returns)
         if self.layout.fused_qkv:
@@ -224,6 +289,11 @@ class _Walk:
                     q, k = f"{q}n", f"{k}n"
         qe = self.rope(q, nq, f"{tag}.q_rope")
         ke = self.rope(k, nkv, f"{tag}.k_rope")
+        if qe != q and self.layout.rotary_fraction < 1:  # torch.cat([rotated, pass-through]) for q, then k
+            for name, n in ((qe, nq), (ke, nkv)):
+                ls.alloc(f"{name}.cat", n * e, "attention", f"{tag}: rope cat(rotated, pass)")
+                ls.free(name)
+            qe, ke = f"{qe}.cat", f"{ke}.cat"
         ls.free(*(n for n in (q, k) if n and n not in (qe, ke)))
         if self.use_cache:  # DynamicCache: torch.cat([empty, k]) copies; the cache keeps the copies
             ls.alloc(f"cache {layer}.k", nkv * e, "kv_cache", f"{tag}: cache k")
@@ -235,6 +305,30 @@ class _Walk:
         out = self.attention_core(tag, layer)
         ls.alloc(f"{tag}.o", M * s.hidden_size * e, "hidden", f"{tag}: o_proj")
         ls.free(out, qe, *held, *views)
+        return f"{tag}.o"
+
+    def latent_attention(self, tag: str) -> str:
+        """DeepSeek's latent attention from its projection sizes (module docstring); returns o_proj's output."""
+        ls, s, M, e, a = self.ls, self.s, self.M, self.e, self.s.mla
+        H, n = s.num_heads, lambda name: f"{tag}.{name}"  # noqa: E731
+        q_width, kv_b_width = H * a.qk_head_dim, H * (a.qk_nope_head_dim + a.v_head_dim)
+        if a.q_lora_rank:
+            ls.alloc(n("q_a"), M * a.q_lora_rank * e, "attention", f"{tag}: q_a_proj")
+            self.norm(n("q_a"), M * a.q_lora_rank, n("q_an"), "attention")
+            ls.free(n("q_a"))
+        ls.alloc(n("q"), M * q_width * e, "attention", f"{tag}: q_b_proj")
+        ls.free(n("q_an"))
+        ls.alloc(n("kv_a"), M * a.latent_dim * e, "attention", f"{tag}: kv_a_proj_with_mqa")
+        self.norm(n("kv_a"), M * a.kv_lora_rank, n("kv_an"), "attention")
+        ls.alloc(n("kv_b"), M * kv_b_width * e, "attention", f"{tag}: kv_b_proj")
+        ls.free(n("kv_an"))
+        ls.alloc(n("k"), M * q_width * e, "attention", f"{tag}: k = cat(k_nope, k_rope)")
+        ls.free(n("kv_a"))
+        ls.alloc(n("out"), M * H * a.v_head_dim * e, "attention", f"{tag}: attention output")
+        ls.alloc(n("lse"), M * H * _F32, "attention", f"{tag}: attention logsumexp")
+        ls.free(n("lse"))
+        ls.alloc(f"{tag}.o", M * s.hidden_size * e, "hidden", f"{tag}: o_proj")
+        ls.free(n("out"), n("q"), n("k"), n("kv_b"))
         return f"{tag}.o"
 
     def attention_core(self, tag: str, layer: int) -> str:
@@ -299,7 +393,7 @@ class _Walk:
         ls.alloc(f"{tag} h1", MK * e, "hidden", f"{tag}: residual + attn")
         ls.free(o)
         hn2 = self.norm(f"{tag} h1", MK, f"{tag} pre_mlp_norm")
-        d = self.mlp(hn2, tag=f"{tag} mlp")
+        d = self.ffn(hn2, i, tag=f"{tag} mlp")
         ls.free(hn2)
         if four:
             d = self._swap(d, self.norm(d, MK, f"{tag} post_mlp_norm"))
@@ -328,7 +422,8 @@ class _Walk:
         rope_types = set(s.layer_types) if s.family == "gemma3_text" else {"all"}
         for kind in sorted(rope_types):
             for name in ("cos", "sin"):
-                ls.alloc(f"rope {kind}.{name}", T * s.head_dim * e, "other", "rotary cos/sin")
+                rotary = s.mla.qk_rope_head_dim if s.mla else int(s.head_dim * self.layout.rotary_fraction)
+                ls.alloc(f"rope {kind}.{name}", T * rotary * e, "other", "rotary cos/sin")
         x = "embeds"
         for i in range(s.num_layers):
             out = self.layer(x, i)
@@ -360,3 +455,5 @@ class _Walk:
             elif sliding and T >= s.sliding_window:  # bool [1, 1, T, T], expanded over the batch
                 self.masked.add(kind)
                 self.ls.alloc(f"mask {kind}", T * T, "mask", f"{kind} mask")
+        if self.mode == "sdpa" and self.layout.unused_sliding_mask and SLIDING not in s.layer_types:
+            self.ls.alloc(f"mask {SLIDING}", T * T, "mask", "sliding mask no layer uses")

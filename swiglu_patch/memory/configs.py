@@ -3,7 +3,8 @@
 Presets are real configs of popular gated-MLP models, one JSON file each under ``presets/``:
 ``{"name", "display_name", "hub_repo", "source", "notes", "config": {...config.json fields...}}``.
 Configs are built offline with ``CONFIG_MAPPING[model_type](**fields)``; a hub id goes through
-``AutoConfig.from_pretrained`` (which needs the hub or its local cache).
+``AutoConfig.from_pretrained`` (which needs the hub or its local cache). A preset's file itself
+(``--model path/to/presets/qwen3-8b.json``) is read as that preset.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from swiglu_patch.inputs import SourceError, check_source, looks_like_path
 from swiglu_patch.memory.shape import REQUIRED_FIELDS, ModelShape
 
 PRESET_PACKAGE = "swiglu_patch.memory"
+
+# Sizes memory depends on: positive integers when a config states them (0 allowed where "none" is meant).
+_POSITIVE_FIELDS = REQUIRED_FIELDS + ("num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                                      "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                                      "experts_per_token")
+_NONNEGATIVE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "first_k_dense_replace")
 
 
 @dataclass(frozen=True)
@@ -88,13 +95,29 @@ def config_from_dict(fields: dict, *, where: str = "config") -> Any:
         raise ValueError(
             f"{where} lacks {', '.join(missing)}: a gated-MLP decoder config needs {', '.join(REQUIRED_FIELDS)}."
         )
+    _check_sizes(fields, where)
     model_type = fields.pop("model_type", None)
     if not model_type:
         raise ValueError(f"{where} has no model_type; add the model's \"model_type\" (e.g. \"llama\").")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{where}: transformers does not know model_type {model_type!r}; upgrade transformers.")
     fields.pop("transformers_version", None)
-    return CONFIG_MAPPING[model_type](**fields)
+    try:
+        return CONFIG_MAPPING[model_type](**fields)
+    except Exception as exc:  # transformers' (huggingface_hub's) field validation: say which file and why
+        raise ValueError(f"{where}: transformers refuses this {model_type} config ({exc}); fix the config.json.") from exc
+
+
+def _check_sizes(fields: dict, where: str) -> None:
+    """ValueError naming the first size that is not an integer, or is negative (zero where it must be positive)."""
+    for keys, least in ((_POSITIVE_FIELDS, 1), (_NONNEGATIVE_FIELDS, 0)):
+        for key in keys:
+            value = fields.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a positive integer" if least else "an integer >= 0"
+                raise ValueError(f"{where}: {key} must be {kind}, got {value!r}; fix the config.json.")
 
 
 def resolve_model(spec: str) -> ResolvedModel:
@@ -110,7 +133,11 @@ def resolve_model(spec: str) -> ResolvedModel:
                              config_from_dict(doc["config"], where=f"preset {spec}"))
     path = Path(spec).expanduser()
     if path.is_file():
-        return ResolvedModel(spec, path.parent.name or spec, str(path), config_from_dict(read_json(path), where=str(path)))
+        data = read_json(path)
+        if _is_preset_document(data):  # a preset's own file: {"name", "source", "config": {...}}
+            return ResolvedModel(data.get("name", spec), data.get("display_name", spec), data["source"],
+                                 config_from_dict(data["config"], where=f"{path} (its \"config\")"))
+        return ResolvedModel(spec, path.parent.name or spec, str(path), config_from_dict(data, where=str(path)))
     if path.is_dir():
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
@@ -123,6 +150,10 @@ def resolve_model(spec: str) -> ResolvedModel:
     if "/" in spec:
         return _from_hub(spec)
     raise _unknown(spec)
+
+
+def _is_preset_document(data: dict) -> bool:
+    return isinstance(data.get("config"), dict) and "source" in data and "hidden_size" not in data
 
 
 def read_json(path: Path) -> dict:

@@ -2,6 +2,7 @@
 
     KV budget per GPU = GPU memory x fraction - overhead - weights per GPU - peak activation per chunk
     KV bytes per token = layers x 2 (K and V) x KV heads per GPU x head_dim x KV dtype bytes
+                         (latent attention: layers x (kv_lora_rank + rope dim) x bytes, on every GPU)
     KV tokens          = floor(budget / KV bytes per token)
 
 The activation peak comes from :mod:`swiglu_patch.memory.activation_model`, the walk of HF's
@@ -10,6 +11,10 @@ server's kernels (``runtime="server"``: fused attention, fused RMSNorm, in-place
 HF's own norms and RoPE (``runtime="hf"``), and ``use_cache=False``: a server writes K and V into
 the cache pool it preallocated, so they are KV memory, not activation. Fusing the MLP shrinks only
 that peak, so every byte it saves becomes KV cache: (eager peak - fused peak) / KV bytes per token.
+
+Mixture-of-experts models: every expert's weights are resident; the experts block's activation
+peak is modelled for HF's default ``grouped_mm`` path and for swiglu-patch's fused grouped
+experts (:mod:`swiglu_patch.memory.moe_walk`), the pairs of one chunk being chunk x top-k.
 
 Sliding-window layers (Gemma 2/3, Mistral 7B v0.1, Phi-3 mini) are reported two ways: the full
 count (every layer keeps every token) and the count capped at the window (sliding layers keep at
@@ -44,6 +49,11 @@ ASSUMPTIONS = (
     "accounting). CUDA graphs, NCCL buffers and allocator fragmentation belong in the overhead (0 unless given).",
     "Tensor parallel: heads, I and the vocabulary split tp ways; KV heads split too, or are replicated one per "
     "GPU when fewer than tp; norm weights are replicated; K is whole on every GPU.",
+    "Mixture of experts: all experts' weights resident (split tp ways, no expert parallelism; routers "
+    "replicated); the experts block of a chunk holds chunk x top-k (token, expert) pairs. Eager: HF's "
+    "default grouped_mm path (permuted copy of x, gate_up [pairs, 2 I_e], act and product, down, weighted and "
+    "un-permuted rows); fused: index-gathered rows, h [pairs, I_e], y [pairs, K]. Latent attention "
+    "(DeepSeek) caches kv_lora_rank + rope dim values per token and layer, on every GPU.",
     "Sliding-window layers: 'full' keeps every token in every layer; 'capped' keeps at most the window in "
     "sliding layers (hybrid KV allocators such as vLLM V1's), so it depends on the sequence length.",
 )
@@ -59,8 +69,15 @@ def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bf16", tp: int = 1) -
     Raises:
         ValueError: unknown KV dtype, or tp not compatible with the heads.
     """
-    per_gpu = shape.sharded(tp)
-    return shape.num_layers * 2 * per_gpu.num_kv_heads * shape.head_dim * _kv_bytes(kv_dtype)
+    return shape.num_layers * _kv_values_per_layer_token(shape, tp) * _kv_bytes(kv_dtype)
+
+
+def _kv_values_per_layer_token(shape: ModelShape, tp: int) -> int:
+    """K and V values one GPU caches per token and layer (the latent, whole, for latent attention)."""
+    per_gpu = shape.sharded(tp)  # validates tp
+    if shape.mla:
+        return shape.mla.latent_dim
+    return 2 * per_gpu.num_kv_heads * shape.head_dim
 
 
 def kv_bytes_per_sequence(shape: ModelShape, seq_len: int, kv_dtype: str = "bf16", tp: int = 1,
@@ -71,7 +88,7 @@ def kv_bytes_per_sequence(shape: ModelShape, seq_len: int, kv_dtype: str = "bf16
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    per_layer_token = 2 * shape.sharded(tp).num_kv_heads * shape.head_dim * _kv_bytes(kv_dtype)
+    per_layer_token = _kv_values_per_layer_token(shape, tp) * _kv_bytes(kv_dtype)
     window = shape.sliding_window
     sliding_tokens = min(seq_len, window) if capped and window else seq_len
     return per_layer_token * (shape.num_full_layers * seq_len + shape.num_sliding_layers * sliding_tokens)

@@ -20,7 +20,7 @@ from swiglu_patch.memory.kv_capacity import (
     kv_capacity,
     smallest_tp,
 )
-from swiglu_patch.memory.tables import fmt_bytes, fmt_int, markdown_table, write_json, write_text
+from swiglu_patch.memory.tables import fmt_bytes, fmt_int, markdown_table, writable_dir, write_json, write_text
 from swiglu_patch.memory.weights import WEIGHT_DTYPE_BYTES
 
 DESCRIPTION = """\
@@ -95,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
             from swiglu_patch.memory.plotting import require_matplotlib
 
             require_matplotlib()
+        if args.out_dir is not None:
+            writable_dir(args.out_dir)
         results, skipped = _compute(args)
     except (ValueError, ImportError) as exc:
         return _fail(exc)
@@ -112,10 +114,13 @@ def main(args: argparse.Namespace) -> int:
 
         stem = f"{args.out_dir.rstrip('/')}/{args.name}"
         command = " ".join(["swiglu-patch"] + sys.argv[1:]) if sys.argv[0].endswith(("swiglu-patch", "cli.py")) else None
-        write_json(f"{stem}.json", {"command": command, "settings": _settings(args), "environment": environment("cpu"),
-                                    "results": [r.to_dict() for r in results],
-                                    "skipped": [{"model": n, "reason": w} for n, w in skipped]})
-        write_text(f"{stem}.md", f"{header}\n\n{summary_table(results)}\n\nAssumptions:\n{notes}{skipped_text}\n")
+        try:
+            write_json(f"{stem}.json", {"command": command, "settings": _settings(args),
+                                        "environment": environment("cpu"), "results": [r.to_dict() for r in results],
+                                        "skipped": [{"model": n, "reason": w} for n, w in skipped]})
+            write_text(f"{stem}.md", f"{header}\n\n{summary_table(results)}\n\nAssumptions:\n{notes}{skipped_text}\n")
+        except OSError as exc:
+            return _fail(f"cannot write {stem}.json / .md ({exc.strerror or exc}); check --out-dir and --name")
         print(f"\nwrote {stem}.json, {stem}.md")
     if args.plot:
         from swiglu_patch.memory.plotting import plot_kv_extra

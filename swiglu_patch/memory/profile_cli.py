@@ -15,7 +15,7 @@ from pathlib import Path
 from swiglu_patch.inputs import existing_file, int_list, nonnegative_int, one_line, positive_float, positive_int
 from swiglu_patch.memory.configs import list_presets, read_json, resolve_model
 from swiglu_patch.memory.profiler import WHATS, ProfileRow, predict_rows, profile_model
-from swiglu_patch.memory.tables import fmt_bytes, markdown_table, write_json, write_text
+from swiglu_patch.memory.tables import fmt_bytes, markdown_table, writable_dir, write_json, write_text
 
 DEFAULT_MODELS = ["llama-3.1-8b", "qwen2.5-7b", "mistral-nemo-12b", "gemma-3-12b"]
 
@@ -88,13 +88,19 @@ def main(args: argparse.Namespace) -> int:
             from swiglu_patch.memory.plotting import require_matplotlib
 
             require_matplotlib()
+        if args.out_dir is not None:
+            writable_dir(args.out_dir)
         if args.from_json:
             return _rerender(args)
         if args.snapshot and not args.out_dir:
             raise ValueError("--snapshot writes into <out-dir>/snapshots; give --out-dir")
         resolved = [resolve_model(m) for m in args.model]
         shapes = [r.shape(args.family) for r in resolved]
-    except (ValueError, ImportError) as exc:
+        unwalked = [s.name for s in shapes if s.layout.hf_attention == "unwalked"]
+        if "prefill" in args.what and unwalked:
+            raise ValueError(f"{', '.join(unwalked)}: HF's attention of this family is not modelled, so its prefill "
+                             "cannot be predicted; pass --what mlp (its MLP or experts block)")
+    except (ValueError, ImportError, OSError) as exc:
         return _fail(exc)
     return _measure(args, resolved, shapes)
 
@@ -127,7 +133,7 @@ def _measure(args: argparse.Namespace, resolved: list, shapes: list) -> int:
                 res, layers=layers, whats=args.what, batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
                 max_tokens=args.max_tokens, random_init=args.random_init, backend=args.backend,
                 snapshot_dir=(out_dir / "snapshots") if (args.snapshot and out_dir) else None, family=args.family)
-        except Exception as exc:  # one model's failure (OOM, an HF change) must not lose the others' numbers
+        except Exception as exc:  # noqa: BLE001 - one model's failure (OOM, an HF change) keeps the others' numbers
             failures[res.name] = f"{type(exc).__name__}: {exc}"
             print(f"{res.name}: FAILED after {time.time() - t0:.1f} s: {failures[res.name][:300]}", flush=True)
             continue

@@ -2,8 +2,10 @@
 
 A :class:`ModelShape` is read from a transformers config (``PretrainedConfig``) and holds only
 what the activation model, the weight count and the KV-cache arithmetic need. Shape letters as
-everywhere in swiglu-patch: K = hidden_size, I = intermediate_size, H = attention heads,
-KV = key/value heads, D = head_dim.
+everywhere in swiglu-patch: K = hidden_size, I = intermediate_size (of the dense MLP layers),
+H = attention heads, KV = key/value heads, D = head_dim. A mixture-of-experts model also has a
+:class:`~swiglu_patch.memory.moe_shape.MoeShape` (its experts and which layers are sparse), and
+DeepSeek's latent attention an :class:`~swiglu_patch.memory.moe_shape.MlaShape`.
 
 The :data:`DECODER_LAYOUTS` table says, per ``config.model_type``, how Hugging Face's eager code
 lays out one decoder layer: norm style, norms per layer, q/k norms, packed projections, embedding
@@ -17,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from swiglu_patch.memory.moe_shape import MlaShape, MoeShape, mla_from_config, moe_from_config
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -26,8 +30,10 @@ class DecoderLayout:
     """How one model family's HF eager decoder layer is laid out (what the activation model walks).
 
     Attributes:
-        norm_style: "llama" (``w * x.float().normed.to(dtype)``) or "gemma"
-            (``(x.float().normed * (1 + w)).type_as(x)``); both keep two fp32 copies at their peak.
+        norm_style: "llama" (``w * x.float().normed.to(dtype)``), "gemma"
+            (``(x.float().normed * (1 + w)).type_as(x)``) or "gpt_oss" (``(w * x.float().normed)
+            .to(dtype)``, the normed fp32 copy still referenced during the cast); all keep two
+            fp32 copies at their peak, gpt-oss's three bytes' worth more.
         norms_per_layer: 2 (pre-attention, pre-MLP) or 4 (Gemma 2/3 add post-attention, post-MLP).
         qk_norm: RMSNorm over head_dim on q and k (Qwen3, Gemma 3).
         qk_norm_before_transpose: Qwen3 norms q right after q_proj (before k_proj runs); Gemma 3
@@ -37,7 +43,13 @@ class DecoderLayout:
         fused_gate_up: one ``gate_up_proj`` output [M, 2I] (Phi-3), which stays alive through the MLP.
         qkv_bias: q/k/v projections carry a bias (Qwen2) unless the config says otherwise.
         hf_attention: "sdpa" or "eager": what HF runs by default for this family (Gemma 2's
-            attention soft-capping is refused by HF's sdpa path, so it runs eager).
+            attention soft-capping is refused by HF's sdpa path, so it runs eager); "unwalked"
+            where HF's own attention code is not modelled (gpt-oss's eager attention with sinks,
+            DeepSeek's latent attention): only ``attention="flash"`` predicts those.
+        rotary_fraction: the share of head_dim RoPE rotates (GLM-4.5: 0.5; the rest passes).
+        o_bias: o_proj carries a bias when the config's ``attention_bias`` is set (GLM-4.5's never does).
+        unused_sliding_mask: HF builds a bool [T, T] sliding-window mask (sdpa) even where no layer
+            slides, and keeps it for the whole forward (Qwen2-MoE).
     """
 
     norm_style: str = "llama"
@@ -49,6 +61,9 @@ class DecoderLayout:
     fused_gate_up: bool = False
     qkv_bias: bool = False
     hf_attention: str = "sdpa"
+    rotary_fraction: float = 1.0
+    o_bias: bool = True
+    unused_sliding_mask: bool = False
 
 
 DECODER_LAYOUTS: dict[str, DecoderLayout] = {
@@ -60,6 +75,13 @@ DECODER_LAYOUTS: dict[str, DecoderLayout] = {
     "gemma2": DecoderLayout(norm_style="gemma", norms_per_layer=4, embed_scale=True, hf_attention="eager"),
     "gemma3_text": DecoderLayout(norm_style="gemma", norms_per_layer=4, qk_norm=True, embed_scale=True),
     "phi3": DecoderLayout(fused_qkv=True, fused_gate_up=True),
+    # mixture-of-experts families (their experts: swiglu_patch.memory.moe_shape.MOE_LAYOUTS)
+    "qwen3_moe": DecoderLayout(qk_norm=True, qk_norm_before_transpose=True),
+    "qwen2_moe": DecoderLayout(qkv_bias=True, unused_sliding_mask=True),
+    "mixtral": DecoderLayout(),
+    "glm4_moe": DecoderLayout(rotary_fraction=0.5, o_bias=False),
+    "gpt_oss": DecoderLayout(norm_style="gpt_oss", hf_attention="unwalked"),
+    "deepseek_v3": DecoderLayout(hf_attention="unwalked"),
 }
 
 # Config fields a gated-MLP decoder must state; everything else has a defensible default.
@@ -106,6 +128,9 @@ class ModelShape:
         qkv_bias, o_bias, mlp_bias: biases on those projections.
         final_logit_softcapping: Gemma 2's logit soft-cap (extra temporaries on the logits), or None.
         source: where the config came from.
+        moe: the experts (mixture-of-experts models), or None.
+        mla: DeepSeek's latent-attention sizes, or None.
+        attention_sinks: one learned sink logit per head (gpt-oss).
     """
 
     name: str
@@ -128,6 +153,9 @@ class ModelShape:
     mlp_bias: bool = False
     final_logit_softcapping: float | None = None
     source: str = ""
+    moe: MoeShape | None = None
+    mla: MlaShape | None = None
+    attention_sinks: bool = False
 
     @property
     def layout(self) -> DecoderLayout:
@@ -144,6 +172,10 @@ class ModelShape:
         """KV * D: width of the key (and of the value)."""
         return self.num_kv_heads * self.head_dim
 
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the experts block."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
     @property
     def num_sliding_layers(self) -> int:
         return sum(t == SLIDING for t in self.layer_types)
@@ -157,16 +189,20 @@ class ModelShape:
         if not 1 <= num_layers:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         n = min(num_layers, self.num_layers)
-        return dataclasses.replace(self, num_layers=n, layer_types=self.layer_types[:n])
+        moe = self.moe.truncated(n) if self.moe else None
+        return dataclasses.replace(self, num_layers=n, layer_types=self.layer_types[:n], moe=moe)
 
     def sharded(self, tp: int) -> ModelShape:
         """What one GPU holds under tensor parallelism of degree ``tp`` (vLLM's rules).
 
         Heads and the MLP's I split ``tp`` ways; key/value heads split when KV >= tp and are
         replicated (one per GPU) when KV < tp; K and the vocabulary's activations stay whole.
+        Experts split like dense MLPs (vLLM's tensor-parallel MoE without expert parallelism):
+        every GPU holds all E experts with I_e / tp columns each, and the shared expert's I / tp.
 
         Raises:
-            ValueError: H or I not divisible by tp, or KV and tp not dividing one another.
+            ValueError: H, I, I_e or the shared I not divisible by tp, or KV and tp not dividing
+                one another.
         """
         if tp < 1:
             raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}")
@@ -175,8 +211,13 @@ class ModelShape:
         problems = []
         if self.num_heads % tp:
             problems.append(f"{self.num_heads} attention heads")
-        if self.intermediate_size % tp:
+        dense = self.moe is None or not all(self.moe.sparse_layers)
+        if dense and self.intermediate_size % tp:
             problems.append(f"intermediate_size {self.intermediate_size}")
+        if self.moe and self.moe.intermediate_size % tp:
+            problems.append(f"expert intermediate size {self.moe.intermediate_size}")
+        if self.moe and self.moe.shared_intermediate_size % tp:
+            problems.append(f"shared expert intermediate size {self.moe.shared_intermediate_size}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             problems.append(f"{self.num_kv_heads} key/value heads")
         if problems:
@@ -184,11 +225,14 @@ class ModelShape:
                 f"{self.name}: tensor-parallel degree {tp} does not divide {' and '.join(problems)}; "
                 "pick a tp that divides them (CLI: --tp auto picks the smallest that fits)."
             )
+        moe = self.moe and dataclasses.replace(self.moe, intermediate_size=self.moe.intermediate_size // tp,
+                                               shared_intermediate_size=self.moe.shared_intermediate_size // tp)
         return dataclasses.replace(
             self,
             num_heads=self.num_heads // tp,
             num_kv_heads=max(1, self.num_kv_heads // tp),
             intermediate_size=self.intermediate_size // tp,
+            moe=moe,
         )
 
     @classmethod
@@ -212,6 +256,11 @@ class ModelShape:
                 f"config for {name or '?'} lacks {', '.join(missing)}: a gated-MLP decoder config needs "
                 f"{', '.join(REQUIRED_FIELDS)}. Pass the model's full config.json."
             )
+        for key in REQUIRED_FIELDS:
+            value = getattr(config, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config for {name or '?'}: {key} must be a positive integer, got {value!r}; "
+                                 "fix the config.json.")
         model_type = getattr(config, "model_type", "") or ""
         layout = decoder_layout(model_type, family)  # raises on unknown
         k, h = int(config.hidden_size), int(config.num_attention_heads)
@@ -229,6 +278,8 @@ class ModelShape:
         dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype") or "bfloat16"
         dtype = str(dtype).replace("torch.", "")
         attention_bias = bool(getattr(config, "attention_bias", False))
+        where = f"config for {name or model_type}"
+        moe = moe_from_config(config, family or model_type, layers, where=where)
         return cls(
             name=name or getattr(config, "name_or_path", "") or model_type,
             model_type=model_type,
@@ -245,9 +296,12 @@ class ModelShape:
             torch_dtype=_DTYPE_NAMES.get(dtype, dtype),
             sliding_window=int(window) if window else None,
             layer_types=types,
-            qkv_bias=layout.qkv_bias or attention_bias,
-            o_bias=attention_bias,
+            qkv_bias=bool(getattr(config, "qkv_bias", layout.qkv_bias)) or attention_bias,
+            o_bias=attention_bias and layout.o_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
             source=source,
+            moe=moe,
+            mla=mla_from_config(config),
+            attention_sinks=(family or model_type) == "gpt_oss",
         )

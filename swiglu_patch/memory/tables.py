@@ -6,6 +6,7 @@ Where a result was measured (versions, GPU, commit) comes from :mod:`swiglu_patc
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 MIB = 1024**2
@@ -41,6 +42,37 @@ def _looks_numeric(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def writable_dir(path: str | Path, option: str = "--out-dir") -> Path:
+    """``path`` checked as a folder that exists and can be written, or that can be created; nothing is created.
+
+    A missing folder is judged by its nearest existing ancestor (the writers create it later).
+
+    Raises:
+        ValueError: it is empty, a broken link or a file, sits under a file, or it (or the ancestor
+            it would be created in) is not writable; the message names the option, the path and the fix.
+    """
+    fix = "give a folder you can write to"
+    if str(path) == "":
+        raise ValueError(f"{option} is empty; {fix}")
+    path = Path(path).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"{option} {path}: a broken symbolic link; {fix}")
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{option} {path}: a file is in the way (not a folder); {fix}")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{option} {path}: not writable; {fix}")
+        return path
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{option} {path}: part of the path ({parent}) is a file, not a folder; {fix}")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{option} {path}: cannot be created in {parent} (not writable); {fix}")
+            break
+    return path
 
 
 def write_json(path: str | Path, payload: dict) -> Path:

@@ -5,6 +5,12 @@ q/k/v/o projections (and their biases), the three MLP matrices 3*K*I, and the no
 (2 or 4 per layer of K, q/k norms of D, the final norm of K). Under tensor parallelism every
 matrix (and the vocabulary) splits ``tp`` ways and the norm weights are replicated; replicated
 key/value heads (KV < tp) are counted once per GPU, as vLLM stores them.
+
+Mixture-of-experts layers count every expert (all are resident): E x 3*K*I_e (gpt-oss adds
+its per-expert biases), the shared expert's 3*K*I_s, and the router's E*K (replicated under
+tensor parallelism, as vLLM keeps it). DeepSeek's latent attention counts q_a [K, q_lora],
+q_b [q_lora, H*(nope + rope)], kv_a [K, kv_lora + rope], kv_b [kv_lora, H*(nope + v)] and
+o [H*v, K]; its q_a and kv_a are replicated under tensor parallelism, the rest split.
 """
 
 from __future__ import annotations
@@ -23,18 +29,22 @@ class ParamCount:
     Attributes:
         embedding: V*K (+ V*K for an untied lm_head).
         attention: q/k/v/o weights and biases, all layers.
-        mlp: gate/up/down weights and biases, all layers.
+        mlp: gate/up/down weights and biases, all layers: dense MLPs, every routed expert, shared experts.
         norms: all RMSNorm weights (replicated under tensor parallelism).
+        router: the MoE routers' weights and biases (replicated under tensor parallelism).
+        replicated_attention: the part of ``attention`` every GPU holds whole (MLA's q_a and kv_a).
     """
 
     embedding: int
     attention: int
     mlp: int
     norms: int
+    router: int = 0
+    replicated_attention: int = 0
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms
+        return self.embedding + self.attention + self.mlp + self.norms + self.router
 
 
 def count_params(shape: ModelShape) -> ParamCount:
@@ -42,15 +52,39 @@ def count_params(shape: ModelShape) -> ParamCount:
     s = shape
     K, I, D, L = s.hidden_size, s.intermediate_size, s.head_dim, s.num_layers
     q, kv = s.q_dim, s.kv_dim
-    attn = K * q + 2 * K * kv + q * K
+    attn, replicated, norms_per_layer = K * q + 2 * K * kv + q * K, 0, s.layout.norms_per_layer * K
+    if s.mla:
+        attn, replicated, mla_norms = _mla_params(s)
+        norms_per_layer += mla_norms
     if s.qkv_bias:
         attn += q + 2 * kv
     if s.o_bias:
         attn += K
-    mlp = 3 * K * I + (2 * I + K if s.mlp_bias else 0)
-    norms_per_layer = s.layout.norms_per_layer * K + (2 * D if s.layout.qk_norm else 0)
+    if s.attention_sinks:
+        attn += s.num_heads
+    dense = 3 * K * I + (2 * I + K if s.mlp_bias else 0)
+    mlp = router = 0
+    for layer in range(L):
+        if not s.is_sparse(layer):
+            mlp += dense
+            continue
+        m, lay = s.moe, s.moe.layout
+        mlp += m.num_experts * (3 * K * m.intermediate_size + (2 * m.intermediate_size + K if lay.expert_bias else 0))
+        mlp += 3 * K * m.shared_intermediate_size + (K if lay.shared_gate else 0)
+        router += m.num_experts * K + (m.num_experts if lay.router_bias else 0)
+    norms_per_layer += 2 * D if s.layout.qk_norm else 0
     embedding = s.vocab_size * K * (1 if s.tie_word_embeddings else 2)
-    return ParamCount(embedding=embedding, attention=L * attn, mlp=L * mlp, norms=L * norms_per_layer + K)
+    return ParamCount(embedding=embedding, attention=L * attn, mlp=mlp, norms=L * norms_per_layer + K, router=router,
+                      replicated_attention=L * replicated)
+
+
+def _mla_params(s: ModelShape) -> tuple[int, int, int]:
+    """(projection weights, the replicated part of them, norm weights) of one latent-attention layer."""
+    a, K, H = s.mla, s.hidden_size, s.num_heads
+    q = K * a.q_lora_rank + a.q_lora_rank * H * a.qk_head_dim if a.q_lora_rank else K * H * a.qk_head_dim
+    replicated = K * a.q_lora_rank + K * a.latent_dim
+    weights = q + K * a.latent_dim + a.kv_lora_rank * H * (a.qk_nope_head_dim + a.v_head_dim) + H * a.v_head_dim * K
+    return weights, replicated, a.q_lora_rank + a.kv_lora_rank
 
 
 def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int = 1) -> float:
@@ -68,9 +102,9 @@ def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int 
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPE_BYTES)}, got {weight_dtype!r}")
     per_gpu = shape.sharded(tp)  # validates tp
     p = count_params(shape)
-    attention = p.attention / tp
-    if shape.num_kv_heads < tp:  # replicated K/V heads: each GPU holds a whole head's k/v projections
+    attention = p.replicated_attention + (p.attention - p.replicated_attention) / tp
+    if shape.num_kv_heads < tp and not shape.mla:  # replicated K/V heads: each GPU holds a whole head's k/v projections
         L, K, D = shape.num_layers, shape.hidden_size, shape.head_dim
         sharded_kv = L * 2 * K * shape.kv_dim / tp
         attention += L * 2 * K * per_gpu.num_kv_heads * D - sharded_kv
-    return (p.embedding / tp + attention + p.mlp / tp + p.norms) * WEIGHT_DTYPE_BYTES[weight_dtype]
+    return (p.embedding / tp + attention + p.mlp / tp + p.router + p.norms) * WEIGHT_DTYPE_BYTES[weight_dtype]

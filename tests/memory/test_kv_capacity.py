@@ -46,7 +46,11 @@ def test_at_least_fifteen_presets_each_with_a_source():
         doc = load_preset_document(name)
         assert doc["source"].startswith("https://huggingface.co/") and doc["source"].count("config.json") == 1
         shape = resolve_model(name).shape()
-        assert shape.intermediate_size > shape.hidden_size and shape.num_heads % shape.num_kv_heads == 0
+        assert shape.num_heads % shape.num_kv_heads == 0
+        if shape.moe is None:
+            assert shape.intermediate_size > shape.hidden_size
+        else:  # experts are narrower than dense MLPs, and there are more of them than are routed to
+            assert 0 < shape.moe.top_k < shape.moe.num_experts and shape.moe.num_sparse_layers > 0
 
 
 # Parameter counts published for these checkpoints (model cards / safetensors metadata): they check
@@ -261,9 +265,12 @@ def test_cli_all_presets_writes_json_markdown_and_plot(tmp_path, capsys):
                              "--name", "kv", "--plot", str(plot)], capsys)
     assert code == 0
     payload = json.loads((tmp_path / "kv.json").read_text())
-    assert len(payload["results"]) == len(list_presets()) and not payload["skipped"]
+    # DeepSeek-V3 in bf16 is 1.25 TiB: 16 H100s hold 78 GiB of it each, more than 90% of 79.1 GiB
+    assert [s["model"] for s in payload["skipped"]] == ["deepseek-v3"]
+    assert "no tensor-parallel degree" in payload["skipped"][0]["reason"]
+    assert len(payload["results"]) == len(list_presets()) - 1
     by_model = {r["model"]: r for r in payload["results"]}
     assert by_model["llama-3.1-405b"]["tp"] == 16 and by_model["llama-3.1-8b"]["tp"] == 1
     assert all(r["tokens_fused_full"] >= r["tokens_eager_full"] > 0 for r in payload["results"])
-    assert (tmp_path / "kv.md").read_text().count("\n| ") == len(list_presets()) + 1
+    assert (tmp_path / "kv.md").read_text().count("\n| ") == len(list_presets())
     assert plot.stat().st_size > 10_000

@@ -1,0 +1,239 @@
+"""The memory model of mixture-of-experts layers: hand-worked experts blocks, HF's blocks on CPU, presets.
+
+The live-tensor count (`memory/live_tensors.py`) runs tiny HF MoE models: HF's default
+experts path (``grouped_mm``, which has a CPU kernel) is counted tensor by tensor against the walk
+of `swiglu_patch.memory.moe_walk`. Weights and the input exist before the call: their storages are
+left out (``transpose`` of an expert weight is a view the count would otherwise see as new).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from memory.live_tensors import cpu_measure
+
+from swiglu_patch.memory.activation_model import predict_mlp_peak, predict_moe_peak, predict_prefill_peak
+from swiglu_patch.memory.configs import resolve_model
+from swiglu_patch.memory.shape import ModelShape
+
+transformers = pytest.importorskip("transformers")
+
+
+_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=500, max_position_embeddings=2048)
+
+# model_type -> the experts fields of a tiny config (8 experts of I_e = 48, 2 per token)
+TINY_MOE = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                      norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                      shared_expert_intermediate_size=80, sliding_window=None),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                     n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, attention_bias=True,
+                     partial_rotary_factor=0.5),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32,
+                        kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4),
+}
+
+
+def _tiny(model_type: str, dtype=torch.bfloat16):
+    config = transformers.AutoConfig.for_model(model_type, **(_BASE | TINY_MOE[model_type]))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
+    assert model.config._experts_implementation == "grouped_mm"
+    return model
+
+
+def _existing(model) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
+
+
+def test_every_moe_layout_is_checked_against_live_tensors():
+    from swiglu_patch.memory.moe_shape import MOE_LAYOUTS
+    from swiglu_patch.memory.shape import DECODER_LAYOUTS
+
+    assert set(TINY_MOE) == set(MOE_LAYOUTS) and set(MOE_LAYOUTS) <= set(DECODER_LAYOUTS)
+
+
+# -- HF's experts block, counted on CPU ---------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MOE))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 7, 100])
+def test_experts_block_walk_matches_live_tensors(model_type, dtype, tokens):
+    model = _tiny(model_type, dtype)
+    shape = ModelShape.from_config(model.config)
+    layer = shape.moe.sparse_layers.index(True)
+    x = torch.randn(1, tokens, 64, dtype=dtype)
+    with torch.inference_mode():
+        measured = cpu_measure(lambda: model.model.layers[layer].mlp(x), x, *_existing(model))
+    predicted = predict_moe_peak(shape, tokens, fused=False, dtype_bytes=dtype.itemsize)
+    assert predicted.bytes == measured, predicted.where
+
+
+@pytest.mark.parametrize("model_type", sorted(t for t in TINY_MOE if t not in ("gpt_oss", "deepseek_v3")))
+@pytest.mark.parametrize("batch,seq_len", [(1, 192), (3, 64)])
+def test_moe_prefill_walk_matches_live_tensors(model_type, batch, seq_len):
+    model = _tiny(model_type)
+    ids = torch.randint(0, 500, (batch, seq_len))
+    with torch.inference_mode():
+        measured = cpu_measure(lambda: model(input_ids=ids, logits_to_keep=1, use_cache=True), ids, *_existing(model))
+    shape = ModelShape.from_config(model.config)
+    predicted = predict_prefill_peak(shape, batch, seq_len, fused=False, logits_to_keep=1)
+    lse = batch * shape.num_heads * seq_len * 4 if predicted.where.endswith("logsumexp") else 0  # inside SDPA
+    assert predicted.bytes - lse == measured, predicted.where
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_unmodelled_hf_attention_is_refused_and_flash_predicts(model_type):
+    shape = ModelShape.from_config(_tiny(model_type).config)
+    with pytest.raises(NotImplementedError, match="attention='flash'"):
+        predict_prefill_peak(shape, 1, 64, fused=False)
+    eager, fused = (predict_prefill_peak(shape, 1, 64, fused=f, attention="flash", server_kernels=True)
+                    for f in (False, True))
+    assert fused.bytes < eager.bytes and "mlp" in eager.where
+
+
+# -- hand-worked experts blocks -------------------------------------------------------------------
+
+def test_qwen3_30b_a3b_block_hand_worked():
+    shape = resolve_model("qwen3-30b-a3b").shape()
+    T, k, E, K, I, e = 512, 8, 128, 2048, 768, 2
+    S = T * k
+    router = T * E * e + T * k * e + T * k * 8  # logits, top-k weights (bf16), top-k ids (int64), kept by the block
+    index = 2 * S * 8 + S * e + S * 4 + 2 * E * 4  # sorted ids, perm, sorted weights, histc input, counts, offsets
+    # peak at the un-permute: x_g, down, weighted, weighted in token order (4 S K), the inverse permutation
+    eager = router + index + 4 * S * K * e + S * 8
+    assert eager > router + index + S * K * e + 4 * S * I * e  # the gate ([S, 2I] + act + product) is lower
+    # fused: routing metadata, h [S, I] and y [S, K]
+    fused = router + S * 4 + (E + 1) * 4 + S * I * e + S * K * e
+    assert predict_moe_peak(shape, T, fused=False).bytes == eager == 67_404_800
+    assert predict_moe_peak(shape, T, fused=True).bytes == fused == 23_257_604
+
+
+def test_mixtral_block_peaks_at_the_gate_with_fp32_routing():
+    shape = resolve_model("mixtral-8x7b").shape()
+    T, k, E, K, I, e = 512, 2, 8, 4096, 14336, 2
+    S = T * k
+    router = T * E * e + T * k * 4 + T * k * 8  # the top-k weights stay fp32
+    index = 2 * S * 8 + S * 4 + S * 4 + 2 * E * 4
+    eager = predict_moe_peak(shape, T, fused=False)
+    assert eager.bytes == router + index + S * K * e + 4 * S * I * e and eager.where.endswith("act(gate) * up")
+    fused = predict_moe_peak(shape, T, fused=True)
+    assert fused.bytes == router + S * 4 + (E + 1) * 4 + S * I * e + S * K * e
+
+
+def test_gpt_oss_clamped_gate_and_biases():
+    shape = resolve_model("gpt-oss-20b").shape()
+    T, k, E, K, I, e = 256, 4, 32, 2880, 2880, 2
+    S = T * k
+    router = T * E * e + T * k * e + T * k * 8
+    index = 2 * S * 8 + S * e + S * 4 + 2 * E * 4
+    # gate_up bias per pair [S, 2I], gate_up [S, 2I], then clamp(gate), clamp(up), glu, up + 1, product
+    eager = router + index + S * K * e + 2 * S * I * e + 2 * S * I * e + 5 * S * I * e
+    assert predict_moe_peak(shape, T, fused=False).bytes == eager
+
+
+def test_deepseek_v3_tp8_hand_worked():
+    shape = resolve_model("deepseek-v3").shape().sharded(8)
+    T, k, E, K, I, e = 64, 8, 256, 7168, 2048 // 8, 2
+    S = T * k
+    assert (shape.moe.intermediate_size, shape.moe.shared_intermediate_size) == (I, I)
+    assert predict_mlp_peak(shape, T, fused=True, layer=0).bytes == T * (18432 // 8) * e + T * K * e  # dense layer
+    router = T * E * 4 + T * k * 4 + T * k * 8  # fp32 logits and weights, int64 ids
+    peak = predict_moe_peak(shape, T, fused=True)
+    # h [S, I] is freed before the sum over the k slots; k I = 2048 < K, so y [S, K] + out [T, K] is the peak
+    assert peak.bytes == router + S * 4 + (E + 1) * 4 + S * K * e + T * K * e
+    assert peak.where.endswith("fused experts sum over the k slots")
+
+
+def test_fused_experts_shrink_every_moe_preset():
+    for name in ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "deepseek-v3"):
+        shape = resolve_model(name).shape()
+        eager, fused = (predict_moe_peak(shape, 512, fused=f).bytes for f in (False, True))
+        assert 0 < fused < eager / 2, name
+
+
+def test_dense_model_has_no_experts_block():
+    with pytest.raises(ValueError, match="not a mixture-of-experts model"):
+        predict_moe_peak(resolve_model("llama-3.1-8b").shape(), 16, fused=False)
+    with pytest.raises(ValueError, match="layer must be in"):
+        predict_mlp_peak(resolve_model("llama-3.1-8b").shape(), 16, fused=False, layer=32)
+
+
+# -- presets: published sizes, KV bytes, weights --------------------------------------------------
+
+def test_moe_preset_parameter_counts_match_published():
+    from swiglu_patch.memory.weights import count_params
+
+    total = {name: count_params(resolve_model(name).shape()).total for name in
+             ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "deepseek-v3")}
+    assert total["mixtral-8x7b"] == 46_702_792_704  # the checkpoint's safetensors total
+    assert round(total["qwen3-30b-a3b"] / 1e9, 1) == 30.5  # model card: 30.5B in total
+    assert round(total["gpt-oss-20b"] / 1e9, 2) == 20.91  # model card: 20.91B total
+    assert round(total["gpt-oss-120b"] / 1e9, 2) == 116.83  # model card: 116.83B total
+    assert round(total["deepseek-v3"] / 1e9) == 671  # report: 671B total (without the MTP module)
+    # "106B total parameters": our count (no MTP layer, which transformers does not load) is 106.85B
+    assert 106e9 < total["glm-4.5-air"] < 107e9
+
+
+def test_moe_config_keys_per_family():
+    shapes = {n: resolve_model(n).shape() for n in ("qwen3-30b-a3b", "gpt-oss-20b", "glm-4.5-air", "deepseek-v3")}
+    m = {n: s.moe for n, s in shapes.items()}
+    assert (m["qwen3-30b-a3b"].num_experts, m["qwen3-30b-a3b"].top_k, m["qwen3-30b-a3b"].intermediate_size) == (
+        128, 8, 768)  # num_experts, moe_intermediate_size
+    assert (m["gpt-oss-20b"].num_experts, m["gpt-oss-20b"].intermediate_size) == (32, 2880)  # intermediate_size
+    assert m["glm-4.5-air"].sparse_layers == (False,) + (True,) * 45  # first_k_dense_replace 1
+    assert m["deepseek-v3"].sparse_layers[:4] == (False, False, False, True) and m["deepseek-v3"].num_sparse_layers == 58
+    assert (m["deepseek-v3"].num_experts, m["deepseek-v3"].shared_intermediate_size) == (256, 2048)  # n_shared x I_e
+    assert shapes["deepseek-v3"].mla.latent_dim == 576
+    qwen = transformers.AutoConfig.for_model("qwen3_moe", **(_BASE | TINY_MOE["qwen3_moe"]),
+                                             decoder_sparse_step=2, mlp_only_layers=[3])
+    qwen.num_hidden_layers = 6
+    assert ModelShape.from_config(qwen).moe.sparse_layers == (False, True, False, False, False, True)
+
+
+def test_kv_bytes_of_moe_presets():
+    from swiglu_patch.memory.kv_capacity import kv_bytes_per_sequence, kv_bytes_per_token
+
+    deepseek = resolve_model("deepseek-v3").shape()
+    # latent attention: 61 layers x (512 + 64) values x 2 bytes, the same on every GPU
+    assert kv_bytes_per_token(deepseek) == kv_bytes_per_token(deepseek, tp=8) == 61 * 576 * 2
+    gpt = resolve_model("gpt-oss-20b").shape()
+    assert kv_bytes_per_token(gpt) == 24 * 2 * 8 * 64 * 2
+    # 12 full layers keep 8192 tokens, 12 sliding layers 128
+    assert kv_bytes_per_sequence(gpt, 8192) == 2 * 8 * 64 * 2 * (12 * 8192 + 12 * 128)
+
+
+def test_moe_weights_count_every_expert_and_replicate_the_router():
+    from swiglu_patch.memory.weights import weight_bytes_per_gpu
+
+    shape = resolve_model("qwen3-30b-a3b").shape()
+    K, V, L, E, I = 2048, 151936, 48, 128, 768
+    embedding, attention = 2 * V * K, L * (2 * K * 4096 + 2 * K * 512)
+    experts, router, norms = L * E * 3 * K * I, L * E * K, L * (2 * K + 2 * 128) + K
+    assert weight_bytes_per_gpu(shape, "bf16", tp=2) == 2 * ((embedding + attention + experts) / 2 + router + norms)
+    assert shape.sharded(2).moe.intermediate_size == 384
+    with pytest.raises(ValueError, match="does not divide .*expert intermediate size 768"):
+        shape.sharded(5)
+
+
+def test_kv_capacity_answers_for_moe_presets(capsys):
+    from swiglu_patch.memory.kv_capacity import smallest_tp
+
+    tps = {n: smallest_tp(resolve_model(n).shape(), gpu_mem_gib=79.1) for n in
+           ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air")}
+    # bf16 weights: 56.9, 87.0, 39.0, 217.6 and 199.0 GiB against 71.2 GiB usable per H100
+    assert tps == {"qwen3-30b-a3b": 1, "mixtral-8x7b": 2, "gpt-oss-20b": 1, "gpt-oss-120b": 4, "glm-4.5-air": 4}
+    from memory.test_kv_capacity import _run_cli
+
+    code, out, _ = _run_cli(["--model", "qwen3-30b-a3b", "--gpu", "H100"], capsys)
+    assert code == 0 and "fused experts" in out and "experts grouped_mm" in out
+    row = next(line for line in out.splitlines() if line.startswith("| KV tokens (full count) |"))
+    eager, fused = (int(c.replace(",", "")) for c in row.split("|")[2:4])
+    assert fused > eager > 0
