@@ -21,7 +21,7 @@ rule a call takes and why each earlier one did not; `choose` returns it.
 A new op family (grouped MoE GEMMs, say) needs no new dispatcher: kernel files whose
 ``CAPABILITY.ops`` names its table, with ``can_run`` and ``make_launcher``, listed in
 `_KERNEL_FILES`; its table in `rules.TABLES` and its ops in `OPS`; and an entry point that
-checks its operands and calls `_launch` (call key, plan variant, launcher factory, tensors).
+checks its operands and calls `_launch` (call key, epilogue, launcher arguments, tensors).
 """
 
 from __future__ import annotations
@@ -105,32 +105,37 @@ def candidates(key: CallKey, op: str = "forward") -> list[tuple[int, Rule]]:
 
 
 # Per call signature the candidates' (can_run or None, launcher), in rule order: `gated_gemm`'s
-# signatures (`_signature`) and (op, CallKey, variant) for the other entry points. Plain values
+# signatures (`_signature`) and (op, CallKey, epilogue, ...) for the other entry points. Plain values
 # only: predicates and launchers (closures over configs and constexprs), no tensors.
 _PLANS: dict[tuple, tuple] = {}
 _BUCKETS = [m_bucket(m) for m in range(8193)]
 
 
-def _build(op: str, key: CallKey, make) -> tuple:
-    """Op's plan for `key`: per candidate (can_run, None if it runs every call; make(module, config))."""
+def _build(op: str, key: CallKey, epilogue: GatedEpilogue, approx: bool, extras: tuple) -> tuple:
+    """Op's plan for `key`: per candidate (can_run, None if it runs every call; its launcher)."""
+    epi = dict(epilogue.constexprs(), APPROX_TANH=approx)
     modules = [(MODULES[r.kernel], r.config) for _, r in candidates(key, op)]
-    return tuple((None if m.CAPABILITY.runs_every_call else m.can_run, make(m, _fit_dtype(c, key.dtype)))
-                 for m, c in modules)
+    return tuple((None if m.CAPABILITY.runs_every_call else m.can_run,
+                  m.make_launcher(_fit_dtype(c, key.dtype), epi, *extras)) for m, c in modules)
 
 
-def _launch(fn: str, op: str, key: CallKey, variant: tuple, make, can_args: tuple, launch_args: tuple,
-            kernel: str, config: GatedGemmConfig | None):
+def _launch(fn: str, op: str, key: CallKey, epilogue: GatedEpilogue, approx: bool, extras: tuple, can_args: tuple,
+            launch_args: tuple, kernel: str, config: GatedGemmConfig | None):
     """Run op's call: its plan's first candidate that can run `can_args` (kernel "auto", no config),
-    or the named kernel (`_forced`), launched on `launch_args`."""
+    or the named kernel (`_forced`), launched on `launch_args`; a launcher is the kernel file's
+    ``make_launcher(config, epilogue constexprs, *extras)``."""
     if kernel == "auto" and config is None:
-        plan = _PLANS.get((op, key, variant))
+        variant = (op, key, epilogue, approx, key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+                   extras)
+        plan = _PLANS.get(variant)
         if plan is None:
-            plan = _PLANS[op, key, variant] = _build(op, key, make)
+            plan = _PLANS[variant] = _build(op, key, epilogue, approx, extras)
         for can_run, launch in plan:
             if can_run is None or can_run(*can_args):
                 return launch(*launch_args)
         raise AssertionError(f"rules.TABLES[{OPS[op][0]!r}] ends with rules whose kernel runs every call")
-    return make(*_forced(fn, op, key, kernel, config, can_args))(*launch_args)
+    module, config = _forced(fn, op, key, kernel, config, can_args)
+    return module.make_launcher(config, dict(epilogue.constexprs(), APPROX_TANH=approx), *extras)(*launch_args)
 
 
 def _forced(fn: str, op: str, key: CallKey, kernel: str, config: GatedGemmConfig | None, can_args: tuple):
@@ -163,10 +168,6 @@ def _call_key(x: torch.Tensor, i: int, captured: bool) -> CallKey:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured)
     return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured)
-
-
-def _tf32(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
 
 
 def gated_gemm(
@@ -206,10 +207,8 @@ def gated_gemm(
     plan = _PLANS.get(signature)
     if plan is None:
         check_operands("gated_gemm", x, weight, bias)
-        epi = dict(epilogue.constexprs(), APPROX_TANH=resolve_approx_tanh(x, approx_tanh))
-        has_bias, dtype = bias is not None, x.dtype
-        plan = _PLANS[signature] = _build("forward", _call_key(x, weight.shape[0] // 2, signature[-2]),
-                                          lambda module, cfg: module.make_launcher(cfg, epi, has_bias, dtype))
+        plan = _PLANS[signature] = _build("forward", _call_key(x, weight.shape[0] // 2, signature[-2]), epilogue,
+                                          resolve_approx_tanh(x, approx_tanh), (bias is not None, x.dtype))
     m = x.shape[0]
     if out is None:
         out = x.new_empty((m, weight.shape[0] >> 1))
@@ -230,7 +229,8 @@ def _signature(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     m, k = x.shape
     return (x.dtype, x.device, _BUCKETS[m] if m <= 8192 else 8192, k, weight.dtype,
             weight.device, weight.shape, None if bias is None else (bias.dtype, bias.device, bias.shape), epilogue,
-            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(), _tf32(x))
+            approx_tanh, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+            x.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
 
 
 def _forward(fn, op, x, weight, x_lr, b_lr, epilogue, bias, out, preact_out, config, kernel, approx_tanh):
@@ -241,24 +241,19 @@ def _forward(fn, op, x, weight, x_lr, b_lr, epilogue, bias, out, preact_out, con
     epilogue = GatedEpilogue.of(epilogue)
     m, n = x.shape[0], weight.shape[0]
     out = output(fn, "out", out, (m, n >> 1), x)
-    preact = output(fn, "preact_out", preact_out, (m, n), x) if "store_preact" in OPS[op][1] else None
+    preact = output(fn, "preact_out", preact_out, (m, n), x) if op.endswith("_preact") else None
     if m == 0:
         return out, preact
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     approx = resolve_approx_tanh(x, approx_tanh, fn)
-    has_bias, store, low_rank, plain = bias is not None, preact is not None, x_lr is not None, op == "forward"
-
-    def make(module, cfg):  # a plain "forward" takes the kernels' plain launchers: the grid kernel has no other
-        extra = () if plain else (store, low_rank)
-        return module.make_launcher(cfg, dict(epilogue.constexprs(), APPROX_TANH=approx), has_bias, x.dtype, *extra)
-
-    if plain:
-        can_args, args = (x, weight, out), (x, weight, bias, out)
-    else:
-        can_args, args = (x, weight, out, preact, x_lr, b_lr), (x, weight, bias, out, preact, x_lr, b_lr)
     key = _call_key(x, n >> 1, x.is_cuda and torch.cuda.is_current_stream_capturing())
-    _launch(fn, op, key, (epilogue, approx, _tf32(x), has_bias), make, can_args, args, kernel, config)
+    if op == "forward":  # the kernels' plain launchers: the grid kernel has no other
+        _launch(fn, op, key, epilogue, approx, (bias is not None, x.dtype), (x, weight, out), (x, weight, bias, out),
+                kernel, config)
+    else:
+        _launch(fn, op, key, epilogue, approx, (bias is not None, x.dtype, preact is not None, x_lr is not None),
+                (x, weight, out, preact, x_lr, b_lr), (x, weight, bias, out, preact, x_lr, b_lr), kernel, config)
     return out, preact
 
 
@@ -383,9 +378,8 @@ def gated_backward(
     args = (dy, down_weight, preact, dpreact_out, h_out, dh_in)
     key = _call_key(dy, i, dy.is_cuda and torch.cuda.is_current_stream_capturing())
     gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
-    _launch(fn, "backward_dh_in" if has_dh_in else "backward", key, (epilogue, approx, _tf32(dy)),
-            lambda module, cfg: module.make_launcher(cfg, dict(epilogue.constexprs(), APPROX_TANH=approx), dy.dtype,
-                                                     has_dh_in), args, args, kernel, config)
+    _launch(fn, "backward_dh_in" if has_dh_in else "backward", key, epilogue, approx, (dy.dtype, has_dh_in), args,
+            args, kernel, config)
     return dpreact_out, h_out
 
 

@@ -38,25 +38,18 @@ def resolve_approx_tanh(x: torch.Tensor, approx_tanh: bool | None, fn: str = "ga
     return approx_tanh
 
 
-def _check_like(fn: str, x: torch.Tensor, named: dict, x_name: str = "x") -> None:
-    """Each tensor of `named` ({name: (tensor or None, shape or None)}) in x's dtype and device, and
-    of its shape where one is given."""
-    for name, (t, shape) in named.items():
-        if t is None:
-            continue
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{fn}: {name} must be {list(shape)} ({x.dtype} on {x.device}), got {list(t.shape)}")
-        if t.dtype != x.dtype or t.device != x.device:
-            raise TypeError(f"{fn}: {name} must match {x_name}'s dtype and device ({x.dtype} on {x.device}), got "
-                            f"{t.dtype} on {t.device}; cast it with .to()")
-
-
 def _check_dtype(fn: str, x: torch.Tensor) -> None:
     if x.dtype not in DTYPES:
         raise TypeError(f"{fn}: the Triton kernels take floating-point tensors in bfloat16, float16 or float32, got "
                         f"{x.dtype}; cast the tensors, or use backend='torch'")
     if x.dtype == torch.bfloat16 and not x.is_cuda and interpreting():
         raise TypeError(f"{fn}: {BF16_INTERPRETER}")
+
+
+def _check_like(fn: str, name: str, t: torch.Tensor, x: torch.Tensor, x_name: str = "x") -> None:
+    if t.dtype != x.dtype or t.device != x.device:
+        raise TypeError(f"{fn}: {name} must match {x_name}'s dtype and device ({x.dtype} on {x.device}), got "
+                        f"{t.dtype} on {t.device}; cast one with .to()")
 
 
 def check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -67,7 +60,11 @@ def check_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"{fn}: x must be [M, {weight.shape[1]}] (the weight's K), got shape {tuple(x.shape)}")
     _check_dtype(fn, x)
-    _check_like(fn, x, {"the weight": (weight, None), "the bias": (bias, (weight.shape[0],))})
+    _check_like(fn, "the weight", weight, x)
+    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype
+                             or bias.device != x.device):
+        raise ValueError(f"{fn}: the bias must be [{weight.shape[0]}] ({x.dtype} on {x.device}), got "
+                         f"{tuple(bias.shape)} ({bias.dtype} on {bias.device})")
 
 
 def check_low_rank_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, x_lr: torch.Tensor,
@@ -75,7 +72,11 @@ def check_low_rank_operands(fn: str, x: torch.Tensor, weight: torch.Tensor, x_lr
     """As `check_operands` for the low-rank input x_lr [M, r] (r >= 1) and weight b_lr [2*I, r]."""
     if x_lr.dim() != 2 or x_lr.shape[0] != x.shape[0] or x_lr.shape[1] == 0:
         raise ValueError(f"{fn}: x_lr must be [M, r] = [{x.shape[0]}, r] with r >= 1, got shape {tuple(x_lr.shape)}")
-    _check_like(fn, x, {"x_lr": (x_lr, None), "b_lr": (b_lr, (weight.shape[0], x_lr.shape[1]))})
+    if b_lr.dim() != 2 or tuple(b_lr.shape) != (weight.shape[0], x_lr.shape[1]):
+        raise ValueError(f"{fn}: b_lr must be [2*I, r] = [{weight.shape[0]}, {x_lr.shape[1]}], got shape "
+                         f"{tuple(b_lr.shape)}")
+    _check_like(fn, "x_lr", x_lr, x)
+    _check_like(fn, "b_lr", b_lr, x)
 
 
 def check_backward_operands(fn: str, dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor) -> None:
@@ -88,7 +89,8 @@ def check_backward_operands(fn: str, dy: torch.Tensor, down_weight: torch.Tensor
     if preact.dim() != 2 or tuple(preact.shape) != (dy.shape[0], 2 * i):
         raise ValueError(f"{fn}: preact must be [M, 2*I] = [{dy.shape[0]}, {2 * i}], got shape {tuple(preact.shape)}")
     _check_dtype(fn, dy)
-    _check_like(fn, dy, {"the down weight": (down_weight, None), "the preact": (preact, None)}, "dy")
+    _check_like(fn, "the down weight", down_weight, dy, "dy")
+    _check_like(fn, "the preact", preact, dy, "dy")
 
 
 def output(fn: str, name: str, t: torch.Tensor | None, shape: tuple, x: torch.Tensor) -> torch.Tensor:
