@@ -31,9 +31,8 @@ What is live, M = B * T tokens, e = bytes per activation element (2 for bf16):
 - **Experts block** (mixture-of-experts layers): :mod:`swiglu_patch.memory.moe_walk`, HF's
   default ``grouped_mm`` path against swiglu-patch's fused grouped GEMMs. Shared experts and
   dense layers are dense MLPs as above.
-- **Latent attention** (DeepSeek, ``attention="flash"`` only): q_a, its norm, q [M, H (nope +
-  rope)], the kv latent [M, kv_lora + rope], its norm, kv_b [M, H (nope + v)], k [M, H (nope +
-  rope)], the output [M, H v]: counted from the projections' sizes, not walked through HF's code.
+- **gpt-oss's attention with sinks, DeepSeek's latent attention** (``attention="flash"`` only
+  for DeepSeek): :mod:`swiglu_patch.memory.attention_walk`.
 
 ``attention="flash"`` instead assumes a fused attention kernel for every layer (no masks, no
 k/v repeats, no [T, T] tensors), and ``server_kernels=True`` RMSNorm and RoPE kernels as servers
@@ -45,6 +44,7 @@ plus its act-and-mul output [M, I] is the same 3 * M * I as HF eager.
 
 from __future__ import annotations
 
+from swiglu_patch.memory.attention_walk import eager_sinks_attention, latent_attention, rope_halves
 from swiglu_patch.memory.live_set import LiveSet, Peak
 from swiglu_patch.memory.moe_walk import moe_block
 from swiglu_patch.memory.shape import SLIDING, ModelShape
@@ -169,8 +169,7 @@ class _Walk:
         self.s, self.layout = shape, shape.layout
         self.B, self.T, self.M = batch, seq_len, batch * seq_len
         self.fused, self.e, self.use_cache, self.server_kernels = fused, e, use_cache, server_kernels
-        self.mode = "eager" if attention == "hf" and self.layout.hf_attention == "eager" else (
-            "sdpa" if attention == "hf" else "flash")
+        self.mode = "flash" if attention == "flash" else "sdpa" if self.layout.hf_attention == "sdpa" else "eager"
         self.ls = LiveSet()
         self.masked: set[str] = set()  # layer types whose HF mask is materialized
         self.probs: str | None = None  # eager attention probabilities kept alive until the layer ends
@@ -219,6 +218,8 @@ class _Walk:
         ls, e, w = self.ls, self.e, f"{out}: rope"
         if self.server_kernels:  # rotated in place
             return src
+        if self.layout.hf_attention == "eager_sinks":  # gpt-oss rotates the two halves of each head
+            return rope_halves(self, n, out)
         n = int(n * self.layout.rotary_fraction)
         ls.alloc(f"{out}.cos", n * e, "attention", f"{w} x * cos")
         ls.alloc(f"{out}.neg", n * e // 2, "attention", f"{w} -x2")
@@ -266,7 +267,7 @@ class _Walk:
         ls, s, M, e = self.ls, self.s, self.M, self.e
         tag = f"layer {layer} attn"
         if s.mla:
-            return self.latent_attention(tag)
+            return latent_attention(self, tag)
         nq, nkv = M * s.q_dim, M * s.kv_dim
         views: list[str] = []  # tensors q/k/v are views of (freed when attention returns)
         if self.layout.fused_qkv:
@@ -307,30 +308,6 @@ class _Walk:
         ls.free(out, qe, *held, *views)
         return f"{tag}.o"
 
-    def latent_attention(self, tag: str) -> str:
-        """DeepSeek's latent attention from its projection sizes (module docstring); returns o_proj's output."""
-        ls, s, M, e, a = self.ls, self.s, self.M, self.e, self.s.mla
-        H, n = s.num_heads, lambda name: f"{tag}.{name}"  # noqa: E731
-        q_width, kv_b_width = H * a.qk_head_dim, H * (a.qk_nope_head_dim + a.v_head_dim)
-        if a.q_lora_rank:
-            ls.alloc(n("q_a"), M * a.q_lora_rank * e, "attention", f"{tag}: q_a_proj")
-            self.norm(n("q_a"), M * a.q_lora_rank, n("q_an"), "attention")
-            ls.free(n("q_a"))
-        ls.alloc(n("q"), M * q_width * e, "attention", f"{tag}: q_b_proj")
-        ls.free(n("q_an"))
-        ls.alloc(n("kv_a"), M * a.latent_dim * e, "attention", f"{tag}: kv_a_proj_with_mqa")
-        self.norm(n("kv_a"), M * a.kv_lora_rank, n("kv_an"), "attention")
-        ls.alloc(n("kv_b"), M * kv_b_width * e, "attention", f"{tag}: kv_b_proj")
-        ls.free(n("kv_an"))
-        ls.alloc(n("k"), M * q_width * e, "attention", f"{tag}: k = cat(k_nope, k_rope)")
-        ls.free(n("kv_a"))
-        ls.alloc(n("out"), M * H * a.v_head_dim * e, "attention", f"{tag}: attention output")
-        ls.alloc(n("lse"), M * H * _F32, "attention", f"{tag}: attention logsumexp")
-        ls.free(n("lse"))
-        ls.alloc(f"{tag}.o", M * s.hidden_size * e, "hidden", f"{tag}: o_proj")
-        ls.free(n("out"), n("q"), n("k"), n("kv_b"))
-        return f"{tag}.o"
-
     def attention_core(self, tag: str, layer: int) -> str:
         """softmax(q k^T) v for one layer; returns the [B, T, H, D] output's name."""
         ls, s, B, T, e = self.ls, self.s, self.B, self.T, self.e
@@ -338,6 +315,8 @@ class _Walk:
         groups = s.num_heads // s.num_kv_heads
         layer_type = s.layer_types[layer]
         w = f"{tag}: attention"
+        if self.mode == "eager" and self.layout.hf_attention == "eager_sinks":
+            return eager_sinks_attention(self, tag)
         if self.mode == "eager":
             return self._eager_attention(tag, layer_type)
         masked = self.mode == "sdpa" and layer_type in self.masked
@@ -394,6 +373,9 @@ class _Walk:
         ls.free(o)
         hn2 = self.norm(f"{tag} h1", MK, f"{tag} pre_mlp_norm")
         d = self.ffn(hn2, i, tag=f"{tag} mlp")
+        if self.probs and self.layout.hf_attention == "eager_sinks":  # `_` rebound to the MLP's router scores
+            ls.free(self.probs)
+            self.probs = None
         ls.free(hn2)
         if four:
             d = self._swap(d, self.norm(d, MK, f"{tag} post_mlp_norm"))
@@ -423,6 +405,7 @@ class _Walk:
         for kind in sorted(rope_types):
             for name in ("cos", "sin"):
                 rotary = s.mla.qk_rope_head_dim if s.mla else int(s.head_dim * self.layout.rotary_fraction)
+                rotary //= 2 if self.layout.hf_attention == "eager_sinks" else 1  # gpt-oss: cos of head_dim / 2
                 ls.alloc(f"rope {kind}.{name}", T * rotary * e, "other", "rotary cos/sin")
         x = "embeds"
         for i in range(s.num_layers):

@@ -211,7 +211,7 @@ def profile_model(resolved: ResolvedModel, *, layers: int | None, whats, batches
         shape = shape.truncated(layers)
     dtype_bytes = torch.finfo(getattr(torch, _DTYPES[dtype])).bits // 8
     rows = predict_rows(shape, whats, batches, seq_lens, dtype_bytes, max_tokens)
-    attn = "eager" if shape.layout.hf_attention == "eager" else "sdpa"
+    attn = "sdpa" if shape.layout.hf_attention == "sdpa" else "eager"
     snapshot_dir = snapshot_dir if device == "cuda" else None
     model = build_model(resolved, layers, dtype, random_init, attn, device)
     try:

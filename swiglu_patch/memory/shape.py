@@ -43,9 +43,10 @@ class DecoderLayout:
         fused_gate_up: one ``gate_up_proj`` output [M, 2I] (Phi-3), which stays alive through the MLP.
         qkv_bias: q/k/v projections carry a bias (Qwen2) unless the config says otherwise.
         hf_attention: "sdpa" or "eager": what HF runs by default for this family (Gemma 2's
-            attention soft-capping is refused by HF's sdpa path, so it runs eager); "unwalked"
-            where HF's own attention code is not modelled (gpt-oss's eager attention with sinks,
-            DeepSeek's latent attention): only ``attention="flash"`` predicts those.
+            attention soft-capping is refused by HF's sdpa path, so it runs eager), "eager_sinks"
+            (gpt-oss: eager with attention sinks, its own RoPE) or "unwalked" where HF's own
+            attention code is not modelled (DeepSeek's latent attention): only
+            ``attention="flash"`` predicts that.
         rotary_fraction: the share of head_dim RoPE rotates (GLM-4.5: 0.5; the rest passes).
         o_bias: o_proj carries a bias when the config's ``attention_bias`` is set (GLM-4.5's never does).
         unused_sliding_mask: HF builds a bool [T, T] sliding-window mask (sdpa) even where no layer
@@ -80,7 +81,7 @@ DECODER_LAYOUTS: dict[str, DecoderLayout] = {
     "qwen2_moe": DecoderLayout(qkv_bias=True, unused_sliding_mask=True),
     "mixtral": DecoderLayout(),
     "glm4_moe": DecoderLayout(rotary_fraction=0.5, o_bias=False),
-    "gpt_oss": DecoderLayout(norm_style="gpt_oss", hf_attention="unwalked"),
+    "gpt_oss": DecoderLayout(norm_style="gpt_oss", hf_attention="eager_sinks"),
     "deepseek_v3": DecoderLayout(hf_attention="unwalked"),
 }
 

@@ -97,9 +97,12 @@ def test_memory_out_dir_that_cannot_be_written(tmp_path, capsys, case):
 
 
 def test_memory_refuses_a_prefill_it_cannot_predict_and_predicts_the_experts(capsys):
-    code, out, err = _run(profile_cli, ["--model", "gpt-oss-20b", "--tokens", "64"], capsys)
+    code, out, err = _run(profile_cli, ["--model", "deepseek-v3", "--tokens", "64"], capsys)
     assert code == 2 and out == ""
-    _one_line_error(err, "gpt-oss-20b: HF's attention", "--what mlp")
-    code, out, _ = _run(profile_cli, ["--model", "gpt-oss-20b", "qwen3-30b-a3b", "--what", "mlp", "--tokens", "64",
-                                      "--batch-sizes", "1"], capsys)
-    assert code == 0 and "| gpt-oss-20b | mlp | 1 | 64 |" in out and "| qwen3-30b-a3b | mlp | 1 | 64 |" in out
+    _one_line_error(err, "deepseek-v3: HF's attention", "--what mlp")
+    code, out, _ = _run(profile_cli, ["--model", "deepseek-v3", "--what", "mlp", "--tokens", "64",
+                                      "--batch-sizes", "1", "--layers", "4"], capsys)
+    assert code == 0 and "| deepseek-v3 | mlp | 1 | 64 |" in out
+    code, out, _ = _run(profile_cli, ["--model", "gpt-oss-20b", "qwen3-30b-a3b", "--tokens", "64", "--batch-sizes", "1"],
+                        capsys)
+    assert code == 0 and "| gpt-oss-20b | prefill | 1 | 64 |" in out and "| qwen3-30b-a3b | mlp | 1 | 64 |" in out

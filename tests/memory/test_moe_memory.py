@@ -76,7 +76,7 @@ def test_experts_block_walk_matches_live_tensors(model_type, dtype, tokens):
     assert predicted.bytes == measured, predicted.where
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t in TINY_MOE if t not in ("gpt_oss", "deepseek_v3")))
+@pytest.mark.parametrize("model_type", sorted(t for t in TINY_MOE if t != "deepseek_v3"))
 @pytest.mark.parametrize("batch,seq_len", [(1, 192), (3, 64)])
 def test_moe_prefill_walk_matches_live_tensors(model_type, batch, seq_len):
     model = _tiny(model_type)
@@ -86,12 +86,11 @@ def test_moe_prefill_walk_matches_live_tensors(model_type, batch, seq_len):
     shape = ModelShape.from_config(model.config)
     predicted = predict_prefill_peak(shape, batch, seq_len, fused=False, logits_to_keep=1)
     lse = batch * shape.num_heads * seq_len * 4 if predicted.where.endswith("logsumexp") else 0  # inside SDPA
-    assert predicted.bytes - lse == measured, predicted.where
+    assert abs(predicted.bytes - lse - measured) <= 8, predicted.where  # gpt-oss: one 0-d int64 tensor
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
-def test_unmodelled_hf_attention_is_refused_and_flash_predicts(model_type):
-    shape = ModelShape.from_config(_tiny(model_type).config)
+def test_unmodelled_hf_attention_is_refused_and_flash_predicts():
+    shape = ModelShape.from_config(_tiny("deepseek_v3").config)
     with pytest.raises(NotImplementedError, match="attention='flash'"):
         predict_prefill_peak(shape, 1, 64, fused=False)
     eager, fused = (predict_prefill_peak(shape, 1, 64, fused=f, attention="flash", server_kernels=True)
