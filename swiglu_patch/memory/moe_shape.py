@@ -134,7 +134,7 @@ def _first(config: Any, *keys: str) -> Any:
 
 def _int(key: str, value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}")
+        raise ValueError(f"{where}: {key} must be a non-negative integer, got {value!r}; fix the config.json")
     return value
 
 
@@ -154,9 +154,9 @@ def moe_from_config(config: Any, model_type: str, num_layers: int, *, where: str
     size = _first(config, "moe_intermediate_size", "intermediate_size")
     for key, value in (("num_experts", experts), ("num_experts_per_tok", top_k), ("moe_intermediate_size", size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{where}: a {model_type} config needs {key} as a positive integer, got {value!r}")
+            raise ValueError(f"{where}: a {model_type} config needs {key} as a positive integer, got {value!r}; fix the config.json")
     if top_k > experts:
-        raise ValueError(f"{where}: num_experts_per_tok {top_k} exceeds the {experts} experts")
+        raise ValueError(f"{where}: num_experts_per_tok {top_k} exceeds the {experts} experts; fix the config.json")
     shared = getattr(config, "shared_expert_intermediate_size", None)
     if shared is None:
         n_shared = getattr(config, "n_shared_experts", None) or 0

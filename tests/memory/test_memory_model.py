@@ -1,6 +1,6 @@
 """The activation-memory model against hand-worked numbers and against tensors actually allocated.
 
-On CPU there is no allocator peak to read, so `_LiveTensors` counts what the CUDA caching
+On CPU there is no allocator peak to read, so `LiveTensors` (live_tensors.py) counts what the CUDA caching
 allocator would: every storage an aten op creates, until it dies (TorchDispatchMode plus a weakref
 finalizer per storage). Running real HF models (tiny configs, every family) under it and comparing
 with `predict_prefill_peak` checks the model's walk of HF's code tensor by tensor; what it cannot
