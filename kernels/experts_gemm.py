@@ -1,0 +1,223 @@
+"""The experts block for many tokens (prefill): two grouped GEMMs over blocks of pairs sorted by expert.
+
+The math and the weight layouts are `experts_reference.py`'s; the blocks are
+`experts_routing.expert_blocks`' (sorted_pairs [capacity], block_expert [capacity / BLOCK_M]).
+One program per (block, column tile), in grouped order (`jit_common.tile_pid`) so the blocks
+of one expert walk its weight tiles together while they sit in L2:
+
+- `_experts_gated_gemm_kernel`: rows are pairs p of one expert e; x[p // TOP_K] is gathered
+  by index in the load (no permuted copy of x); two fp32 accumulators [BLOCK_M, BLOCK_N] run
+  over K against e's gate and up columns (`experts_gemv` says how one kernel reads every
+  layout), or, for interleaved pairs, one [BLOCK_M, 2 * BLOCK_N] accumulator over contiguous
+  columns that is split into gate and up after the loop; bias, the epilogue in fp32, and
+  h[p] [S, I] stored once in x's dtype.
+- `_experts_down_gemm_kernel`: the same blocks; h[p] rows gathered; y[p] = w_p *
+  (h[p] @ Wd[e]^T + bd[e]) in fp32, stored [S, K_out] in x's dtype at row p;
+- `_experts_combine_kernel`: out[t] = sum_j y[t * TOP_K + j] over the slots in order, in fp32,
+  rounded once: deterministic, and slots of expert-parallel sentinels (ids >= E, rows no
+  block wrote) are skipped.
+
+Padding rows (pair id S) and unused blocks (expert E) load nothing and store nothing.
+dtypes: bf16, fp16 or fp32; fp32 dots use tf32 only where torch.backends.cuda.matmul.allow_tf32
+says so.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import ceil_div
+from .experts_gemv import _down_strides, _gate_up_strides
+from .experts_jit import experts_epilogue
+from .jit_common import tile_pid
+
+
+@triton.jit
+def _experts_gated_gemm_kernel(
+    x_ptr, pairs_ptr, blocks_ptr, w_ptr, b_ptr, h_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K, I, UP_SHIFT, NUM_EXPERTS,
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_be, stride_bn,
+    stride_hm,
+    TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(I, BLOCK_N), NUM_BLOCKS, GROUP_M)
+    expert = tl.load(blocks_ptr + pid_m)
+    if expert < NUM_EXPERTS:
+        # -- which pairs, tokens and weight columns this tile reads --
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < NUM_PAIRS
+        tokens = (pairs // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < I
+        gate_cols = (offs_n * GATE_STEP).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        x_ptrs = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+        if GATE_STEP == 2:
+            # interleaved pairs: one [BLOCK_K, 2 * BLOCK_N] tile holds the tile's gate and up columns side by side
+            pair_cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+            mask_pair = pair_cols < 2 * I
+            w_ptrs = w_base + pair_cols.to(tl.int64)[None, :] * stride_wn + offs_k[:, None] * stride_wk
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                wt = tl.load(w_ptrs, mask=mask_pair[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
+                x_ptrs += BLOCK_K * stride_xk
+                w_ptrs += BLOCK_K * stride_wk
+            if HAS_BIAS:
+                b_pair = tl.load(b_ptr + expert.to(tl.int64) * stride_be + pair_cols * stride_bn, mask=mask_pair,
+                                 other=0.0).to(tl.float32)
+                acc += b_pair[None, :]
+            acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        else:
+            wg_ptrs = w_base + gate_cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+            wu_ptrs = wg_ptrs + UP_SHIFT * stride_wn
+            # -- main loop: two fp32 accumulators over K --
+            acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                xt = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                wg = tl.load(wg_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                wu = tl.load(wu_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
+                acc_gate = tl.dot(xt, wg, acc_gate, input_precision=INPUT_PRECISION)
+                acc_up = tl.dot(xt, wu, acc_up, input_precision=INPUT_PRECISION)
+                x_ptrs += BLOCK_K * stride_xk
+                wg_ptrs += BLOCK_K * stride_wk
+                wu_ptrs += BLOCK_K * stride_wk
+            # -- epilogue: bias, the gated math in fp32, one rounding, one store --
+            if HAS_BIAS:
+                b_base = b_ptr + expert.to(tl.int64) * stride_be
+                acc_gate += tl.load(b_base + gate_cols * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+                acc_up += tl.load(b_base + (gate_cols + UP_SHIFT) * stride_bn, mask=mask_n,
+                                  other=0.0).to(tl.float32)[None, :]
+        h = experts_epilogue(acc_gate, acc_up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA)
+        h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _experts_down_gemm_kernel(
+    h_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, y_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS,
+    stride_hm,
+    stride_rt, stride_rj,
+    stride_de, stride_dn, stride_di,
+    stride_dbe, stride_dbn,
+    stride_ym,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(K_OUT, BLOCK_N), NUM_BLOCKS, GROUP_M)
+    expert = tl.load(blocks_ptr + pid_m)
+    if expert < NUM_EXPERTS:
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < NUM_PAIRS
+        rows = pairs.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K_OUT
+        offs_k = tl.arange(0, BLOCK_K)
+        d_base = d_ptr + expert.to(tl.int64) * stride_de
+        h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        d_ptrs = d_base + offs_n[None, :] * stride_dn + offs_k[:, None] * stride_di  # [BLOCK_K, BLOCK_N]
+        # -- main loop over I --
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            k_left = I - k * BLOCK_K
+            ht = tl.load(h_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            wd = tl.load(d_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < k_left), other=0.0)
+            acc = tl.dot(ht, wd, acc, input_precision=INPUT_PRECISION)
+            h_ptrs += BLOCK_K
+            d_ptrs += BLOCK_K * stride_di
+        # -- epilogue: bias and routing weight in fp32, one rounding, stored at the pair's row --
+        if HAS_BIAS:
+            acc += tl.load(db_ptr + expert.to(tl.int64) * stride_dbe + offs_n * stride_dbn, mask=mask_n,
+                           other=0.0).to(tl.float32)[None, :]
+        weight = tl.load(rw_ptr + (rows // TOP_K) * stride_rt + (rows % TOP_K) * stride_rj, mask=mask_m, other=0.0)
+        acc = acc * weight.to(tl.float32)[:, None]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _experts_combine_kernel(
+    y_ptr, idx_ptr, out_ptr, K_OUT, NUM_EXPERTS,
+    stride_ym, stride_it, stride_ij, stride_om, stride_on,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < K_OUT
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(TOP_K):  # slots in order: a fixed summation order
+        expert = tl.load(idx_ptr + token * stride_it + j * stride_ij)
+        width = tl.where(expert < NUM_EXPERTS, K_OUT, 0)  # a sentinel's row was never written: read none of it
+        row = tl.load(y_ptr + (token * TOP_K + j) * stride_ym + offs_n, mask=offs_n < width, other=0.0)
+        acc += row.to(tl.float32)
+    tl.store(out_ptr + token * stride_om + offs_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+COMBINE_BLOCK = 512
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype is not torch.float32:
+        return "tf32"  # ignored by tl.dot for 16-bit operands
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def experts_grouped(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *, epilogue: dict,
+                    layout, config, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Launch the grouped GEMMs and the combine; `experts_dispatch.experts_forward` checks the arguments.
+
+    x [T, K]; top_k_index, top_k_weights [T, TOP_K]; weights as `experts_reference`; epilogue:
+    `ExpertsEpilogue.constexprs()` plus APPROX_TANH; config: an `ExpertsConfig`; sorted_pairs,
+    block_expert: `experts_routing.expert_blocks(top_k_index, E, config.block_m)`; out [T, K_out].
+    Returns out.
+    """
+    t, k = x.shape
+    top_k = top_k_index.shape[1]
+    num_pairs = t * top_k
+    num_experts = gate_up.shape[0]
+    num_blocks = block_expert.shape[0]
+    inter = (gate_up.shape[2] if layout.transposed else gate_up.shape[1]) // 2
+    precision = _precision(x.dtype)
+    h = x.new_empty((num_pairs, inter))
+    s_we, s_wn, s_wk = _gate_up_strides(gate_up, layout)
+    bias = gate_up if gate_up_bias is None else gate_up_bias
+    _experts_gated_gemm_kernel[(num_blocks * ceil_div(inter, config.block_n),)](
+        x, sorted_pairs, block_expert, gate_up, bias, h,
+        num_pairs, num_blocks, k, inter, inter if layout.concatenated else 1, num_experts,
+        *x.stride(), s_we, s_wn, s_wk, *bias.stride()[:2], h.stride(0),
+        TOP_K=top_k, GATE_STEP=1 if layout.concatenated else 2, HAS_BIAS=gate_up_bias is not None, **epilogue,
+        INPUT_PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    k_out = out.shape[1]
+    y = x.new_empty((num_pairs, k_out))
+    s_de, s_dn, s_di = _down_strides(down, layout)
+    dbias = down if down_bias is None else down_bias
+    _experts_down_gemm_kernel[(num_blocks * ceil_div(k_out, config.down_block_n),)](
+        h, sorted_pairs, block_expert, top_k_weights, down, dbias, y,
+        num_pairs, num_blocks, k_out, inter, num_experts, h.stride(0), *top_k_weights.stride(),
+        s_de, s_dn, s_di, *dbias.stride()[:2], y.stride(0),
+        TOP_K=top_k, HAS_BIAS=down_bias is not None, INPUT_PRECISION=precision,
+        BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    _experts_combine_kernel[(t, ceil_div(k_out, COMBINE_BLOCK))](
+        y, top_k_index, out, k_out, num_experts, y.stride(0), *top_k_index.stride(), *out.stride(),
+        TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4,
+    )
+    return out
