@@ -24,7 +24,7 @@ from . import tensor_parallel
 from .functional import BACKENDS
 from .kernels.epilogue import ACTIVATIONS, GatedEpilogue
 from .module import FusedGatedMLP
-from .probe import forward_arity_problem, probe
+from .probe import forward_arity_problem, probe, refusal
 from .registry import (
     EXPERT_PARAMETERS,
     HF_ACTIVATIONS,
@@ -218,7 +218,7 @@ def plan_one(g: Gated, proven: dict) -> GatedEpilogue:
             probe(g.module, g.family, epilogue)
             proven[key] = None
         except ValueError as e:
-            proven[key] = str(e)
+            proven[key] = refusal(g.module, g.known, e)
     if proven[key] is not None:
         raise ValueError(proven[key])
     return epilogue

@@ -11,6 +11,12 @@ global RNG is not used (a private `torch.Generator`), and it costs about a milli
 Pass rule: max |fused - original| <= `TOLERANCE` * max |original| at every scale. In fp32 the
 two differ by GEMM rounding only (about 1e-7 of the largest value); a dropped multiplier,
 clamp, norm or bias moves outputs by far more than `TOLERANCE` (1e-5).
+
+Refusals say what they mean (`refusal`): a forward that fails or returns the wrong thing on
+the small copy is a structural mismatch, named with the module class; a numeric mismatch
+(`NumericMismatch`) on a class the registry knows, whose structure is the one swiglu-patch
+fuses, points at swiglu-patch itself, and the message says how to report it; on a class
+matched by structure alone it means the class does more than the gated MLP.
 """
 
 from __future__ import annotations
@@ -32,6 +38,33 @@ TOLERANCE = 1e-5
 
 class NotProven(ValueError):
     """The probe could not show that the module computes the fused epilogue; says why."""
+
+
+class NumericMismatch(NotProven):
+    """The module's forward ran and returned the right shape, but the fused module's numbers differ."""
+
+
+def refusal(module: nn.Module, known: bool, error: ValueError) -> str:
+    """The reason `apply_fused_mlp` gives for a module the probe refused, in words a user can act on.
+
+    Args:
+        module: the refused module.
+        known: its class is in the registry (not only matched by structure).
+        error: what `probe` raised.
+    """
+    if not isinstance(error, NumericMismatch):
+        return str(error)
+    cls = type(module).__name__
+    if not known:
+        return (f"{error}: {cls} is not in swiglu-patch's registry and its forward computes more (or other) math than "
+                "the gated MLP act(gate(x)) * up(x) -> down that the fused module runs")
+    import transformers
+
+    model_type = getattr(getattr(module, "config", None), "model_type", None)
+    return (f"{error}: the fused path disagrees with {cls}.forward although the module's structure is the one "
+            f"swiglu-patch fuses for this family. This points at swiglu-patch itself (its epilogue or packing for "
+            f"{cls}), not at your model. Please open an issue on swiglu-patch with the model type ({model_type}), the "
+            f"transformers version ({transformers.__version__}) and this error")
 
 
 def forward_arity_problem(module: nn.Module) -> str | None:
@@ -89,8 +122,9 @@ def probe(module: nn.Module, family: MLPFamily, epilogue: GatedEpilogue, seed: i
         max over scales of max |fused - original| / max |original|, at most `TOLERANCE`.
 
     Raises:
-        NotProven: the forward failed, returned something other than one tensor of the input's
-            shape, or differs from the fused module by more than `TOLERANCE`.
+        NotProven: the forward failed or returned something other than one tensor of the input's
+            shape (a structural mismatch).
+        NumericMismatch: the forward differs from the fused module by more than `TOLERANCE`.
     """
     gen = torch.Generator().manual_seed(seed)
     bias = {name: getattr(getattr(module, name), "bias", None) is not None for name in family.projections}
@@ -104,17 +138,19 @@ def probe(module: nn.Module, family: MLPFamily, epilogue: GatedEpilogue, seed: i
             try:
                 ref = type(module).forward(original, x)
             except Exception as e:  # noqa: BLE001 - any failure means "not proven", with its message
-                raise NotProven(f"its forward failed on the probe's small copy ({type(e).__name__}: {e})") from None
+                raise NotProven(f"its forward failed on the probe's small copy ({type(e).__name__}: {e}): "
+                                f"{type(module).__name__} is not built as the gated MLP the fused module replaces") from None
             if not isinstance(ref, torch.Tensor) or ref.shape != x.shape:
                 what = type(ref).__name__ if not isinstance(ref, torch.Tensor) else f"shape {tuple(ref.shape)}"
-                raise NotProven(f"its forward returns {what}, not one tensor of its input's shape")
+                raise NotProven(f"its forward returns {what}, not one tensor of its input's shape: "
+                                f"{type(module).__name__} is not built as the gated MLP the fused module replaces")
             out = fused(x)
         top = ref.abs().max().item()
         err = (out - ref).abs().max().item() / top if top > 0 else float("inf")
         if not err <= TOLERANCE:
-            raise NotProven(
+            raise NumericMismatch(
                 f"the numeric probe differs: the fused '{epilogue.describe()}' is off by {err:.2g} (relative, "
-                f"tolerance {TOLERANCE:g}) at input scale {scale:g}, so its forward computes something else"
+                f"tolerance {TOLERANCE:g}) from {type(module).__name__}.forward at input scale {scale:g}"
             )
         worst = max(worst, err)
     return worst
