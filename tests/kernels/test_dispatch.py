@@ -259,7 +259,7 @@ def test_auto_runs_what_choose_names_eager_and_captured(monkeypatch, m, k, i):
             return lambda *a, **kw: ran.append((name, config)) or launch(*a, **kw)
         return make_launcher
 
-    for name, module in dispatch._MODULES.items():
+    for name, module in dispatch.MODULES.items():
         monkeypatch.setattr(module, "make_launcher", recording(name, module.make_launcher))
     monkeypatch.setattr(dispatch, "_PLANS", {})  # plans built from here on hold recording launchers
     name = torch.cuda.get_device_name(0)
