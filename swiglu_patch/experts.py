@@ -202,9 +202,13 @@ def probe_experts(module: nn.Module, spec: ExpertsSpec, seed: int = 0) -> float:
 
 
 def _kernels():
-    from .functional import _import_kernels
-
-    return _import_kernels("experts_dispatch")
+    """The experts kernels' entry module, imported on first use (the torch path needs no Triton)."""
+    try:
+        from .kernels import experts_dispatch
+    except ImportError as e:  # triton missing (not Linux) or broken
+        raise ImportError(f"swiglu_patch: the fused experts need Triton ({e}); `pip install triton` on Linux, or "
+                          "patch with backend='torch'") from e
+    return experts_dispatch
 
 
 @torch.library.custom_op("swiglu_patch::experts", mutates_args=())

@@ -3,8 +3,9 @@
 A module is replaced only when it is shown to compute what the fused module runs:
 
 1. find: every gated module of the model (`find_gated`): MLPs by class (`KNOWN_MLP_CLASSES`)
-   or by structure (`STRUCTURES`), and MoE experts (3-D gated parameters), which are listed
-   and not fused yet;
+   or by structure (`STRUCTURES`), and MoE experts (3-D gated parameters), which stay in place
+   and are switched to the fused experts kernels through transformers' experts interface
+   (`experts.py`: matched by class, flags and `_apply_gate`, proven by their own probe);
 2. check (`CHECKS`, then the activation, the class's settings and the numeric probe): each
    check raises ValueError with the reason it refuses; the probe (`probe.py`) runs once per
    class and setting;
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import tensor_parallel
+from . import experts, tensor_parallel
 from .functional import BACKENDS
 from .kernels.epilogue import ACTIVATIONS, GatedEpilogue
 from .module import FusedGatedMLP
@@ -34,7 +35,7 @@ from .registry import (
     structure_of,
     supported_model_types,
 )
-from .report import MOE_EXPERTS, NotPatched, PatchReport
+from .report import NotPatched, PatchReport
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -51,7 +52,8 @@ class Gated:
         name, module: where it is and what it is.
         family: where it keeps its projections (None for MoE experts).
         known: its class is in `KNOWN_MLP_CLASSES` (else matched by structure).
-        reason: why it cannot be patched, known at once (MoE experts), else None.
+        reason: why it cannot be patched, known at once, else None.
+        experts: an MoE experts module (3-D gate/up and down parameters).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Gated:
     family: MLPFamily | None
     known: bool = False
     reason: str | None = None
+    experts: bool = False
 
 
 def _is_experts(module: nn.Module) -> bool:
@@ -72,10 +75,10 @@ def find_gated(model: nn.Module) -> tuple[list[Gated], list[str]]:
     for name, module in model.named_modules():
         if any(name.startswith(c + ".") for c in claimed):
             continue  # inside a module already found: its projections, not MLPs of their own
-        if isinstance(module, FusedGatedMLP):
+        if isinstance(module, FusedGatedMLP) or experts.is_switched(module):
             fused.append(name)
         elif _is_experts(module):
-            found.append(Gated(name, module, None, reason=MOE_EXPERTS))
+            found.append(Gated(name, module, None, experts=True))
         elif type(module).__name__ in KNOWN_MLP_CLASSES:
             found.append(Gated(name, module, KNOWN_MLP_CLASSES[type(module).__name__], known=True))
         elif (family := structure_of(module)) is not None:
@@ -270,9 +273,10 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         A `PatchReport` naming every gated module: patched, or left with the reason.
 
     Raises:
-        PatchError: strict and a gated module cannot be patched (MoE experts, more math than
-            the gated MLP, quantized or non-Linear projections, meta/offloaded weights, an
-            unsupported activation or setting), or the model has no gated MLP at all.
+        PatchError: strict and a gated module cannot be patched (more math than the gated MLP,
+            quantized or non-Linear projections, meta/offloaded weights, an unsupported
+            activation or setting, MoE experts whose math the kernels do not run), or the
+            model has no gated MLP at all.
         ValueError: unknown backend.
         TypeError: `model` is not an nn.Module (a hub id or path: load it first).
     """
@@ -301,9 +305,10 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
         try:
             if g.reason:
                 raise ValueError(g.reason)
-            plan.append((g, plan_one(g, proven)))
+            plan.append((g, experts.plan_experts(g.module, proven) if g.experts else plan_one(g, proven)))
         except ValueError as e:
             report.not_patched.append(NotPatched(g.name, type(g.module).__name__, str(e)))
+    plan = _experts_by_config(found, plan, report)
     report.probes = len(proven)
     if strict and report.not_patched:
         first, more = report.not_patched[0], len(report.not_patched) - 1
@@ -314,7 +319,13 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
                ". None of the model's gated modules can be patched; strict=False returns the report without raising.")
         )
 
+    previous = {id(g.module.config): g.module.config._experts_implementation for g, _ in plan if g.experts}
     for g, epilogue in plan:
+        if g.experts:  # the experts module stays; its config now picks the fused experts kernels
+            experts.switch(g.module, epilogue, backend, previous[id(g.module.config)])
+            report.patched.append(g.name)
+            report.experts[g.name] = epilogue
+            continue
         fused = _replace(model, g.name, g.module, g.family, epilogue, backend)
         report.patched.append(g.name)
         report.epilogues[g.name] = epilogue
@@ -322,6 +333,24 @@ def apply_fused_mlp(model: nn.Module, *, strict: bool = True, backend: str = "au
             report.by_structure.append(g.name)
         report.trainable |= fused.gate_up_interleaved.requires_grad
     return report
+
+
+def _experts_by_config(found: list[Gated], plan: list, report: PatchReport) -> list:
+    """`plan` less the experts modules that share a config with one that cannot be fused (now
+    listed in the report): transformers reads the experts implementation from the config, so
+    the modules of one config switch together or not at all."""
+    refused = {n.name for n in report.not_patched}
+    blocked = {id(g.module.config): g.name for g in found
+               if g.experts and g.name in refused and getattr(g.module, "config", None) is not None}
+    kept = []
+    for g, spec in plan:
+        if g.experts and id(g.module.config) in blocked:
+            report.not_patched.append(NotPatched(
+                g.name, type(g.module).__name__, f"shares its config with {blocked[id(g.module.config)]}, which cannot "
+                "be fused, and transformers picks the experts implementation per config"))
+        else:
+            kept.append((g, spec))
+    return kept
 
 
 def unpatch(model: nn.Module) -> int:
@@ -337,15 +366,16 @@ def unpatch(model: nn.Module) -> int:
         TypeError: `model` is not an nn.Module.
     """
     _require_module("unpatch", model)
+    restored = experts.restore(model)
     fused = [(name, m) for name, m in model.named_modules() if isinstance(m, FusedGatedMLP)]
     for name, module in fused:
         parent_name, _, child = name.rpartition(".")
         original = module.restore()
         tensor_parallel.restore_sharding(module, original)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, original)
-    return len(fused)
+    return len(fused) + restored
 
 
 def is_patched(model: nn.Module) -> bool:
-    """True if any MLP in `model` is a `FusedGatedMLP`."""
-    return any(isinstance(m, FusedGatedMLP) for m in model.modules())
+    """True if any MLP in `model` is a `FusedGatedMLP` or any experts module runs on the fused experts kernels."""
+    return any(isinstance(m, FusedGatedMLP) or experts.is_switched(m) for m in model.modules())

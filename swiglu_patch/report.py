@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 from .kernels.epilogue import GatedEpilogue
 
-MOE_EXPERTS = "MoE experts (3-D parameters): not fused yet"
-
-
 @dataclass(frozen=True)
 class NotPatched:
     """A gated module left as it is.
@@ -16,7 +13,7 @@ class NotPatched:
     Attributes:
         name: its qualified name in the model.
         module_class: its class name.
-        reason: why it was not replaced (`MOE_EXPERTS` for MoE experts).
+        reason: why it was not replaced.
     """
 
     name: str
@@ -33,8 +30,10 @@ class PatchReport:
 
     Attributes:
         model_type: the model's ``config.model_type`` (None without a config).
-        patched: names of the modules replaced by a `FusedGatedMLP`.
+        patched: names of the modules replaced by a `FusedGatedMLP`, and of the MoE experts
+            modules switched to the fused experts kernels (`experts`).
         epilogues: module name -> the `GatedEpilogue` its fused module runs.
+        experts: experts module name -> the `ExpertsSpec` it runs (`swiglu_patch.experts`).
         by_structure: the patched ones whose class is not in the registry (matched by
             structure and shown equal by the numeric probe).
         not_patched: every gated module left as it is, with the reason (MoE experts included).
@@ -49,6 +48,7 @@ class PatchReport:
     model_type: str | None = None
     patched: list[str] = field(default_factory=list)
     epilogues: dict[str, GatedEpilogue] = field(default_factory=dict)
+    experts: dict[str, object] = field(default_factory=dict)
     by_structure: list[str] = field(default_factory=list)
     not_patched: list[NotPatched] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
@@ -62,10 +62,6 @@ class PatchReport:
         return {name: e.activation for name, e in self.epilogues.items()}
 
     @property
-    def moe_experts(self) -> list[NotPatched]:
-        return [n for n in self.not_patched if n.reason == MOE_EXPERTS]
-
-    @property
     def has_gated_mlp(self) -> bool:
         """False only when the model holds no gated module at all."""
         return bool(self.patched or self.not_patched or self.already_patched)
@@ -74,8 +70,12 @@ class PatchReport:
         if not self.has_gated_mlp:
             return f"apply_fused_mlp: model_type {self.model_type!r} has no gated MLP"
         kinds = sorted({e.describe() for e in self.epilogues.values()})
-        lines = [f"apply_fused_mlp: patched {len(self.patched)} MLP(s)" + (f" ({'; '.join(kinds)})" if kinds else "")
+        mlps = len(self.patched) - len(self.experts)
+        lines = [f"apply_fused_mlp: patched {mlps} MLP(s)" + (f" ({'; '.join(kinds)})" if kinds else "")
+                 + (f" and {len(self.experts)} MoE experts module(s)" if self.experts else "")
                  + f", {len(self.not_patched)} gated module(s) left as they are"]
+        for spec in sorted({s.describe() for s in self.experts.values()}):
+            lines.append(f"  experts on the fused experts kernels: {spec}")
         if self.by_structure:
             lines.append(f"  {len(self.by_structure)} patched by structure (class not in the registry, shown equal by "
                          "the numeric probe): " + ", ".join(self.by_structure[:3]) + (" ..." if len(self.by_structure) > 3 else ""))

@@ -107,15 +107,29 @@ def _module_inputs(k: int, seed: int):
     return [torch.randn(2, 5, k, generator=gen) * s for s in SCALES]
 
 
+def _experts_inputs(module, seed: int):
+    """[(x [T, K], top_k_index [T, 2], top_k_weights [T, 2]) at each scale] for an experts module."""
+    gen = torch.Generator().manual_seed(seed)
+    e = module.gate_up_proj.shape[0]
+    k = module.gate_up_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
+    index = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(10)])
+    weights = torch.rand(10, 2, generator=gen)
+    return [(torch.randn(10, k, generator=gen) * s, index, weights) for s in SCALES]
+
+
 def _module_outputs(model) -> dict:
-    """{name: [output at each scale]} of every gated MLP whose forward runs on one tensor."""
+    """{name: [output at each scale]} of every gated MLP whose forward runs on one tensor, and of
+    every MoE experts module (on random routing)."""
     outs = {}
     found, _ = find_gated(model)
     for i, g in enumerate(found):
-        if g.family is None:
-            continue
         try:
             with torch.no_grad():
+                if g.experts:
+                    outs[g.name] = [g.module(*args) for args in _experts_inputs(g.module, i)]
+                    continue
+                if g.family is None:
+                    continue
                 k = getattr(g.module, g.family.projections[0]).in_features
                 outs[g.name] = [g.module(x) for x in _module_inputs(k, i)]
         except Exception:  # noqa: BLE001 - modules whose forward needs more than one tensor
@@ -203,7 +217,17 @@ def examine(model_type: str, variant: str = "default", save: bool = True) -> Row
     if found_names and not report.has_gated_mlp:
         row.failures.append("the report says no gated MLP")
 
+    for name in report.experts:  # the same module, now on the fused experts kernels
+        module = model.get_submodule(name)
+        for args, ref in zip(_experts_inputs(module, found_names.index(name)), before_modules.get(name, [])):
+            with torch.no_grad():
+                out = module(*args)
+            err = (out - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+            if not err <= MODULE_TOL:
+                row.failures.append(f"{name}: the fused experts differ from the original by {err:.3g}")
     for name in report.patched:
+        if name in report.experts:
+            continue
         if name not in before_modules:
             row.failures.append(f"{name} was patched but its forward did not run on one tensor before")
             continue

@@ -6,7 +6,7 @@ And the report naming MoE experts, which are not fused yet."""
 import pytest
 
 from swiglu_patch import GatedEpilogue, PatchError, apply_fused_mlp, is_patched
-from swiglu_patch.report import MOE_EXPERTS
+from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
 from zoo.examine import examine
 from zoo.tiny_zoo import build
 
@@ -49,7 +49,9 @@ def test_swiglu_clamps_are_fused_exactly_at_large_inputs(model_type, variant, cl
     row = _exact(model_type, variant, save=False)
     epilogues = set(row.report.epilogues.values())
     assert epilogues == {GatedEpilogue("silu", limit=1.0, clamp=clamp)}
-    assert any(n.reason == MOE_EXPERTS for n in row.report.not_patched)
+    specs = {s.epilogue for s in row.report.experts.values()}  # the routed experts clamp the same way
+    assert specs == {ExpertsEpilogue(GatedEpilogue("silu", limit=1.0, clamp=clamp))}
+    assert not [n for n in row.report.not_patched if "Experts" in n.module_class]
 
 
 def test_step37_per_layer_clamp_on_the_activation():
@@ -88,7 +90,8 @@ def test_diffusion_gemma_self_conditioning_is_not_replaced():
     refused = {n.module_class: n.reason for n in report.not_patched}
     assert "pre_norm (DiffusionGemmaRMSNorm)" in refused["DiffusionGemmaSelfConditioning"]
     assert report.patched and all(type(built.model.get_submodule(n)).__name__ == "FusedGatedMLP"
-                                  for n in report.patched)
+                                  for n in report.patched if n not in report.experts)
+    assert report.experts  # its MoE experts run on the fused experts kernels
 
 
 def test_diffusion_gemma_patched_model_runs_and_is_exact():
@@ -98,19 +101,18 @@ def test_diffusion_gemma_patched_model_runs_and_is_exact():
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_report_names_moe_experts(model_type):
     built = build(model_type)
-    with pytest.raises(PatchError, match=r"experts \((Mixtral|Qwen3Moe)Experts\): MoE experts \(3-D parameters\): not fused yet"):
-        apply_fused_mlp(built.model)
-    report = apply_fused_mlp(built.model, strict=False)
+    report = apply_fused_mlp(built.model)
     layers = built.config.num_hidden_layers
-    assert [n.name for n in report.moe_experts] == [f"model.layers.{i}.mlp.experts" for i in range(layers)]
-    assert report.has_gated_mlp and "no gated MLP" not in str(report)
-    assert f"{layers} modules: model.layers.0.mlp.experts, ..." in str(report) and MOE_EXPERTS in str(report)
+    assert list(report.experts) == [f"model.layers.{i}.mlp.experts" for i in range(layers)]
+    assert report.patched == list(report.experts) and not report.not_patched
+    assert f"and {layers} MoE experts module(s)" in str(report) and "silu; gate_up [E, 2I, K] [gate; up]" in str(report)
 
 
 def test_lfm2_and_llama4_mlps_with_other_names_are_patched():
     assert _exact("lfm2", save=True).classes == ["Lfm2MLP (silu)"]  # w1/w3/w2, silu written in the forward
     row = _exact("llama4_text", save=False)  # activation_fn
-    assert "Llama4TextMLP (silu)" in row.classes and row.report.moe_experts
+    assert "Llama4TextMLP (silu)" in row.classes
+    assert [n.reason for n in row.report.not_patched if n.module_class == "Llama4TextExperts"]
 
 
 def test_the_zoo_checks_catch_a_patch_that_drops_math(monkeypatch):

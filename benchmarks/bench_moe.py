@@ -1,0 +1,328 @@
+"""One MoE experts block: the fused experts kernels against transformers' own paths and Liger.
+
+    python -m benchmarks.bench_moe --out OUT [--shapes qwen3-30b-a3b ...] [--tokens 1 32 4096]
+    python -m benchmarks.bench_moe --dry-run --out /tmp/moe           # CPU, tiny shape, fp32
+    python -m benchmarks.bench_moe --render OUT/results.json           # markdown only
+
+An experts module of a real model's shape, as transformers builds it (Qwen3-MoE's class for the
+chunked [gate; up] SiLU shapes, gpt-oss's for gpt-oss-20b: transposed, interleaved, biased,
+clamped), random bf16 weights from one seed, routed by the top-k of a softmax over random
+logits ("uniform") or over Zipf-skewed logits ("zipf": expert e drawn with weight 1/(e+1)).
+Ways, each on the same module, weights and routing:
+
+- ours: `swiglu_patch.kernels.experts_dispatch.experts_forward` on the module's own weights;
+- grouped_mm, batched_mm, eager: transformers' implementations (`config._experts_implementation`);
+  batched_mm is skipped where its per-pair weight copy exceeds --batched-gib, eager past --eager-max;
+- liger: Liger-Kernel's `LigerFusedMoEFunction` (SiLU, chunked layout only), when installed.
+
+Before timing, every way's output is checked against float64 (`experts_reference` on the
+float64 weights) on the first --check-rows tokens' worth of the same call. Timing:
+`harness.timing.GraphTimer` (CUDA-graph replays where a way can be captured, else CUDA events
+around eager calls; the mode is recorded). Host time: one call from an idle device
+(`harness.host_time.host_from_idle`). Floor: max(2 T k K 3I / matmul peak, bytes of the
+experts hit / 3.35 TB/s), the matmul peak measured in the same run.
+
+Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from swiglu_patch.inputs import positive_int
+from swiglu_patch.provenance import environment
+
+from .harness.cli import Parser, guarded, render_or_run, require_cuda
+
+PROG = "python -m benchmarks.bench_moe"
+SCHEMA = 1
+WAYS = ("ours", "grouped_mm", "batched_mm", "eager", "liger")
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 spec
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    name: str
+    k: int  # hidden size
+    i: int  # expert intermediate size
+    experts: int
+    top_k: int
+    gpt_oss: bool = False
+
+
+MOE_SHAPES = (
+    MoEShape("qwen3-30b-a3b", 2048, 768, 128, 8),
+    MoEShape("qwen3.5-35b-a3b", 2048, 512, 256, 8),
+    MoEShape("olmoe-1b-7b", 2048, 1024, 64, 8),
+    MoEShape("gpt-oss-20b", 2880, 2880, 32, 4, gpt_oss=True),
+    MoEShape("mixtral-8x7b", 4096, 14336, 8, 2),
+    MoEShape("glm-4.5-air", 4096, 1408, 128, 8),
+)
+TINY = MoEShape("tiny", 64, 48, 8, 2)
+
+
+def sweep_configs() -> dict:
+    """Candidate (kernel, config) of ours that --sweep times beside the rule's choice."""
+    from swiglu_patch.kernels.experts_dispatch import ExpertsConfig as C
+
+    return {
+        "gemv_32x128": ("experts_gemv", C(1, 32, 128, 32, 128, num_warps=4, num_stages=1)),
+        "gemv_16x256": ("experts_gemv", C(1, 16, 256, 16, 256, num_warps=4, num_stages=1)),
+        "gemv_64x64": ("experts_gemv", C(1, 64, 64, 64, 64, num_warps=4, num_stages=1)),
+        "gemv_32x256w8": ("experts_gemv", C(1, 32, 256, 16, 256, num_warps=8, num_stages=1)),
+        "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+        "g16_128x64s3": ("experts_grouped", C(16, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=3)),
+        "g16_32x256s3": ("experts_grouped", C(16, 32, 256, 32, 256, group_m=8, num_warps=4, num_stages=3)),
+        "g32_64x128s4": ("experts_grouped", C(32, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+        "g64_128x64w8": ("experts_grouped", C(64, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+        "g64_64x128w4": ("experts_grouped", C(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3)),
+        "g128_128x64w8": ("experts_grouped", C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+        "g128_128x128w8": ("experts_grouped", C(128, 128, 64, 128, 128, group_m=16, num_warps=8, num_stages=3)),
+        "g64_128x64w4s4": ("experts_grouped", C(64, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    }
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
+    p.add_argument("--shapes", nargs="+", choices=[s.name for s in MOE_SHAPES], default=[s.name for s in MOE_SHAPES])
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=list(DEFAULT_TOKENS))
+    p.add_argument("--routing", nargs="+", choices=("uniform", "zipf"), default=["uniform"])
+    p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    p.add_argument("--eager-max", type=int, default=64, help="largest T timed on the eager loop")
+    p.add_argument("--batched-gib", type=float, default=8.0, help="largest per-pair weight copy batched_mm may make")
+    p.add_argument("--liger-max", type=int, default=16384, help="largest T timed on Liger (it autotunes per T)")
+    p.add_argument("--check-rows", type=int, default=64, help="tokens checked against float64 per row")
+    p.add_argument("--rep-ms", type=float, default=30.0, help="GPU ms of timed calls per way and row")
+    p.add_argument("--host-calls", type=int, default=40, help="host-time calls per way at T <= 32 (0: none)")
+    p.add_argument("--sweep", action="store_true", help="also time each candidate config of ours (SWEEP) per row")
+    p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shape, fp32, Triton interpreter, no timing")
+    p.add_argument("--render", type=Path, help="rebuild results.md from this results.json and exit")
+    args = p.parse_args(argv)
+    if not args.render and args.out is None:
+        p.error("--out is required (or --render a results.json)")
+    return args
+
+
+def build_experts(shape: MoEShape, device, dtype, seed: int) -> torch.nn.Module:
+    """The transformers experts module of `shape`, random weights of unit-variance outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    if shape.gpt_oss:
+        from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        config = GptOssConfig(hidden_size=shape.k, intermediate_size=shape.i, num_local_experts=shape.experts,
+                              num_experts_per_tok=shape.top_k)
+        module = GptOssExperts(config)
+    else:
+        from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        config = Qwen3MoeConfig(hidden_size=shape.k, moe_intermediate_size=shape.i, num_experts=shape.experts,
+                                num_experts_per_tok=shape.top_k, hidden_act="silu")
+        module = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            fan_in = shape.k if "gate_up" in name and "bias" not in name else shape.i
+            scale = 0.1 if "bias" in name else fan_in ** -0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return module.to(device=device, dtype=dtype).requires_grad_(False)
+
+
+def routing(shape: MoEShape, tokens: int, kind: str, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_index [T, k] int64, top_k_weights [T, k] fp32): top-k of a softmax over random logits."""
+    gen = torch.Generator().manual_seed(seed + tokens)
+    logits = torch.randn(tokens, shape.experts, generator=gen)
+    if kind == "zipf":
+        logits = logits + torch.log(1.0 / torch.arange(1, shape.experts + 1)) * 2.0
+    weights, index = torch.topk(logits.softmax(-1), shape.top_k, dim=-1)
+    return index.to(device), (weights / weights.sum(-1, keepdim=True)).to(device)
+
+
+def layout_of(module):
+    from swiglu_patch.experts import experts_spec
+
+    return experts_spec(module)
+
+
+def ours_fn(module, x, idx, w, kernel: str = "auto", config=None):
+    from swiglu_patch.kernels.experts_dispatch import experts_forward
+
+    spec = layout_of(module)
+    gb, db = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+    return lambda: experts_forward(x, idx, w, module.gate_up_proj, module.down_proj, spec.epilogue, spec.layout, gb, db,
+                                   kernel=kernel, config=config)
+
+
+def hf_fn(module, name: str, x, idx, w):
+    def call():
+        module.config._experts_implementation = name
+        return module(x, idx, w)
+    return call
+
+
+def liger_fn(module, x, idx, w):
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    idx32 = idx.to(torch.int32)
+    return lambda: LigerFusedMoEFunction.apply(x, module.gate_up_proj, module.down_proj, idx32, w.to(x.dtype))
+
+
+def reference_f64(module, x, idx, w) -> torch.Tensor:
+    from swiglu_patch.kernels.experts_reference import experts_reference
+
+    spec = layout_of(module)
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    return experts_reference(x.double(), idx, w.double(), f64(module.gate_up_proj), f64(module.down_proj),
+                             spec.epilogue, spec.layout, f64(getattr(module, "gate_up_proj_bias", None)),
+                             f64(getattr(module, "down_proj_bias", None)))
+
+
+def floor_us(shape: MoEShape, tokens: int, idx: torch.Tensor, matmul_flops: float, elem: int) -> float:
+    hit = int(torch.unique(idx).numel())
+    weight_bytes = hit * 3 * shape.i * shape.k * elem
+    flops = 2 * tokens * shape.top_k * shape.k * 3 * shape.i
+    return 1e6 * max(flops / matmul_flops, weight_bytes / HBM_BYTES_PER_S)
+
+
+def measure_matmul_peak(device) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ a
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 10 / (start.elapsed_time(end) * 1e-3)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .harness.host_time import host_from_idle, synchronizer, us_stats
+    from .harness.timing import GraphTimer
+
+    dry = args.dry_run
+    device = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = [TINY] if dry else [s for s in MOE_SHAPES if s.name in args.shapes]
+    tokens_list = [1, 5, 37] if dry else args.tokens
+    ways = [w for w in args.ways if w != "liger" or _has_liger()]
+    timer = None if dry else GraphTimer(rep_ms=args.rep_ms, rounds=3)
+    peak = 1.0 if dry else measure_matmul_peak(device)
+    rows = []
+    for shape in shapes:
+        module = build_experts(shape, device, dtype, args.seed)
+        for kind in args.routing:
+            for tokens in tokens_list:
+                idx, w = routing(shape, tokens, kind, device, args.seed)
+                x = torch.randn(tokens, shape.k, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
+                fns = {"ours": ours_fn(module, x, idx, w)}
+                for way in ("grouped_mm", "batched_mm", "eager"):
+                    if way not in ways or (way == "eager" and tokens > args.eager_max):
+                        continue
+                    copy_gib = tokens * shape.top_k * 3 * shape.i * shape.k * x.element_size() / 2**30
+                    if way == "batched_mm" and copy_gib > args.batched_gib:
+                        continue
+                    fns[way] = hf_fn(module, way, x, idx, w)
+                if "liger" in ways and not shape.gpt_oss and tokens <= args.liger_max:
+                    fns["liger"] = liger_fn(module, x, idx, w)
+                if args.sweep:
+                    for name, (kernel, config) in sweep_configs().items():
+                        if kernel == "experts_gemv" and tokens > 64:
+                            continue
+                        fns[f"ours[{name}]"] = ours_fn(module, x, idx, w, kernel, config)
+                row = {"shape": shape.name, "routing": kind, "tokens": tokens, "errors": {}, "us": {}, "modes": {}}
+                check = min(tokens, args.check_rows)
+                ref = reference_f64(module, x[:check], idx[:check], w[:check])
+                for name, fn in fns.items():
+                    out = fn()
+                    row["errors"][name] = _rel(out[:check].double(), ref)
+                    del out
+                if not dry:
+                    with torch.inference_mode():
+                        times = timer.many(fns)
+                    row["us"] = {k: v * 1e6 for k, v in times.items()}
+                    row["modes"] = dict(timer.modes)
+                    row["floor_us"] = floor_us(shape, tokens, idx, peak, x.element_size())
+                    if tokens <= 32 and args.host_calls:
+                        host = host_from_idle({k: fns[k] for k in fns if k != "eager"}, args.host_calls, 4,
+                                              synchronizer(device))
+                        row["host_us"] = {k: us_stats(v)["median_us"] for k, v in host.items()}
+                rows.append(row)
+                print(_line(row), flush=True)
+                del fns, x
+        module.config._experts_implementation = "grouped_mm"
+        del module
+        if not dry:
+            torch.cuda.empty_cache()
+    return {"kind": "moe", "schema": SCHEMA, "environment": environment(args.commit), "dtype": str(dtype),
+            "matmul_peak_tflops": peak / 1e12, "timer": None if dry else timer.describe(),
+            "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
+
+
+def _has_liger() -> bool:
+    try:
+        import liger_kernel.ops.fused_moe  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _line(row: dict) -> str:
+    us = " ".join(f"{k}={v:.1f}" for k, v in row["us"].items())
+    err = " ".join(f"{k}={v:.1e}" for k, v in row["errors"].items())
+    host = " ".join(f"{k}={v:.0f}" for k, v in row.get("host_us", {}).items())
+    return f"{row['shape']} {row['routing']} T={row['tokens']}: us {us} | floor {row.get('floor_us', 0):.1f} | err {err} | host {host}"
+
+
+def render_markdown(data: dict) -> str:
+    env = data["environment"]
+    lines = ["# MoE experts block", "",
+             f"GPU: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, transformers "
+             f"{env.get('transformers')}; {data['dtype']}; commit {env.get('commit')}.",
+             f"Timer: {data.get('timer')}. Matmul peak measured: {data['matmul_peak_tflops']:.0f} TFLOP/s.", "",
+             "Microseconds per experts block (median); best other = the fastest of transformers' ways and Liger; "
+             "err = relative error against float64.", "",
+             "| shape | routing | T | floor | ours | grouped_mm | batched_mm | eager | liger | ours / floor | "
+             "best other / ours | err ours | err grouped_mm | host us ours / batched_mm |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        us = r["us"]
+        others = [v for k, v in us.items() if k != "ours" and v is not None]
+        cell = lambda k: f"{us[k]:.1f}" if us.get(k) is not None else "-"  # noqa: E731
+        ours = us.get("ours")
+        host = r.get("host_us", {})
+        lines.append(
+            f"| {r['shape']} | {r['routing']} | {r['tokens']} | {r.get('floor_us', 0):.1f} | " +
+            " | ".join(cell(k) for k in WAYS) +
+            f" | {ours / r['floor_us']:.2f} | {min(others) / ours:.2f} | " if ours and others and r.get("floor_us")
+            else f"| {r['shape']} | {r['routing']} | {r['tokens']} | - | " + " | ".join(cell(k) for k in WAYS) + " | - | - | ")
+        lines[-1] += (f"{r['errors'].get('ours', math.nan):.1e} | {r['errors'].get('grouped_mm', math.nan):.1e} | "
+                      f"{host.get('ours', math.nan):.0f} / {host.get('batched_mm', math.nan):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.render and not args.dry_run:
+        require_cuda(PROG)
+    return render_or_run(args, "moe", SCHEMA, run, render_markdown)
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(PROG, main, sys.argv[1:]))
