@@ -30,8 +30,8 @@ import dataclasses
 
 import torch
 
-from . import (gated_backward_pointer, gated_backward_tma, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid,
-               gated_gemv)
+from . import (experts_gemm, experts_gemv, gated_backward_pointer, gated_backward_tma, gated_gemm_pointer,
+               gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
@@ -40,7 +40,7 @@ from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank
 from .rules import DEFAULT_CONFIGS, TABLES, Rule
 
 _KERNEL_FILES = (gated_gemv, gated_gemm_pointer, gated_gemm_tma_grid, gated_gemm_tma, gated_backward_pointer,
-                 gated_backward_tma)
+                 gated_backward_tma, experts_gemv, experts_gemm)
 MODULES = {module.CAPABILITY.name: module for module in _KERNEL_FILES}  # kernel name -> its file
 OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABLES, features its kernel needs)
     "forward": ("forward", frozenset()),
@@ -49,6 +49,7 @@ OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABL
     "forward_low_rank_preact": ("forward", frozenset({"low_rank", "store_preact"})),
     "backward": ("backward", frozenset()),
     "backward_dh_in": ("backward", frozenset({"dh_in"})),
+    "experts": ("experts", frozenset()),  # the entry point: `experts.experts_forward`
 }
 __all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "explain",
            "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreting",
@@ -125,11 +126,11 @@ def _launch(fn: str, op: str, key: CallKey, epilogue: GatedEpilogue, approx: boo
     or the named kernel (`_forced`), launched on `launch_args`; a launcher is the kernel file's
     ``make_launcher(config, epilogue constexprs, *extras)``."""
     if kernel == "auto" and config is None:
-        variant = (op, key, epilogue, approx, key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
-                   extras)
-        plan = _PLANS.get(variant)
+        plan_key = (op, key, epilogue, approx, key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
+                    extras)
+        plan = _PLANS.get(plan_key)
         if plan is None:
-            plan = _PLANS[variant] = _build(op, key, epilogue, approx, extras)
+            plan = _PLANS[plan_key] = _build(op, key, epilogue, approx, extras)
         for can_run, launch in plan:
             if can_run is None or can_run(*can_args):
                 return launch(*launch_args)
