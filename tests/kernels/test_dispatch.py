@@ -41,6 +41,14 @@ def test_rules_name_known_kernels_and_existing_sweeps():
             assert (RESULTS / path).is_file(), f"rule {n} cites {path}, which is not under benchmarks/results/"
 
 
+def test_every_table_says_why_and_cites_sweeps_that_exist():
+    for table, rules in TABLES.items():
+        for n, rule in enumerate(rules):
+            assert rule.why, f"{table} rule {n} says not why"
+            for path in rule.sweep:
+                assert (RESULTS / path).is_file(), f"{table} rule {n} cites {path}, not under benchmarks/results/"
+
+
 @pytest.mark.parametrize("op", list(dispatch.OPS))
 @pytest.mark.parametrize("gpu", [H100, H200, "NVIDIA A100-SXM4-80GB", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
