@@ -13,8 +13,6 @@ import argparse
 from .inputs import positive_int
 
 DTYPES = ("bf16", "fp16", "fp32")
-# the planner's ops (`dispatch.OPS`), spelled out so that --help imports no torch; a test checks they agree
-OPS = ("forward", "forward_preact", "forward_low_rank", "forward_low_rank_preact", "backward", "backward_dh_in")
 
 EPILOG = """\
 examples:
@@ -30,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add `swiglu-patch explain`'s options to `parser`."""
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--op", default="forward", choices=OPS,
-                        help="forward: inference's gated GEMM; forward_preact: training's (stores the pre-activation); "
-                             "forward_low_rank[_preact]: with LoRA's segment; backward[_dh_in]: training's backward "
-                             "GEMM (default: forward)")
+    parser.add_argument("--op", default="forward",
+                        help="an op of the planner (swiglu_patch.kernels.dispatch.OPS): forward (inference's gated "
+                             "GEMM, the default), forward_preact (training's: stores the pre-activation), "
+                             "forward_low_rank[_preact] (with LoRA's segment), backward[_dh_in] (training's backward "
+                             "GEMM), and any op family added since")
     parser.add_argument("--gpu", default="NVIDIA H100 80GB HBM3",
                         help="CUDA device name as torch reports it (default: an H100), or 'cpu' for the interpreter")
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
@@ -51,8 +50,11 @@ def main(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .kernels.dispatch import explain, refusal
+    from .kernels.dispatch import OPS, explain, refusal
 
+    if args.op not in OPS:
+        print(f"swiglu-patch explain: error: --op must be one of {', '.join(OPS)}; got {args.op!r}", file=sys.stderr)
+        return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     why = refusal(args.gpu, dtype)
     if why is not None:

@@ -111,11 +111,13 @@ def test_cpu_bf16_is_refused_not_explained(capsys):
 
 
 def test_explain_op_on_the_command_line(capsys):
-    """`--op` reads the op's table: training's backward GEMM, and the forward that stores P (no GEMV)."""
-    from swiglu_patch import explain_cli
+    """`--op` reads the op's table: training's backward GEMM, and the forward that stores P (no GEMV);
+    an op the planner does not have is one line and exit status 2."""
     from swiglu_patch.cli import main
 
-    assert explain_cli.OPS == tuple(dispatch.OPS)
+    assert main(["explain", "--op", "backwards", "--m", "8", "--k", "64", "--i", "48"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--op must be one of forward," in err and "'backwards'" in err
     assert main(["explain", "--op", "backward", "--m", "4096", "--k", "4096", "--i", "14336"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("backward call") and "backward_tma" in out.split("CHOSEN")[0].splitlines()[-1]
