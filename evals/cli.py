@@ -33,6 +33,8 @@ offline (no hub): set HF_HUB_OFFLINE=1, give --model a local folder and point ea
 local files with --local-data (python -m swiglu_patch.evals.mmlu_to_pro makes MMLU-Pro files).
 
 writes report.json, report.md, samples/<task>.jsonl and lm-eval's raw results to --output-dir.
+verdicts (docs/accuracy.md): per task, accuracy (McNemar), answers and log-likelihood shifts
+against the noise floor of a reference run; per text, the KL and its tail against that floor.
 exit status: 0 done; 1 a verdict says DIFFERENCE and --fail-on-difference was given;
 2 bad input (nothing was evaluated).
 """
@@ -99,19 +101,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=positive_int, default=None, help="compare at most this many tokens")
     g.add_argument("--text-batch-size", type=positive_int, default=8, help="windows per forward pass (default 8)")
     g.add_argument("--reference-dtype", default="auto", choices=REFERENCE_DTYPES,
-                   help="also run the unpatched model in this dtype and compare both with it "
-                        "(auto: float32 for a bf16/fp16 model, none for float32)")
+                   help="the noise floor of both verdicts: also run the unpatched model in this dtype, on the text "
+                        "and on the tasks (auto: float32 for a bf16/fp16 model, float64 for float32; none: absolute "
+                        "thresholds instead)")
     g = parser.add_argument_group("report")
     g.add_argument("--output-dir", default="swiglu_eval", metavar="DIR",
                    help="report.json, report.md, samples/ go here (default swiglu_eval)")
-    g.add_argument("--alpha", type=open_fraction, default=0.05, help="significance level of the paired tests (default 0.05)")
+    g.add_argument("--alpha", type=open_fraction, default=0.05,
+                   help="false-alarm level of the per-question verdict, split over its checks (default 0.05)")
     g.add_argument("--power", type=open_fraction, default=0.8, help="power of the detectable differences (default 0.8)")
     g.add_argument("--top1-min", type=fraction, default=0.999,
                    help="token verdict without a reference: least top-1 agreement (default 0.999)")
     g.add_argument("--kl-max", type=nonnegative_float, default=1e-4,
                    help="token verdict without a reference: largest mean KL, nats/token (default 1e-4)")
-    g.add_argument("--ratio-max", type=_ratio, default=2.0,
-                   help="token verdict with a reference: largest KL(ref||fused) / KL(ref||eager) (default 2)")
+    g.add_argument("--ratio-max", type=_ratio, default=1.2,
+                   help="token verdict: largest mean KL(ref||fused) / mean KL(ref||eager) (default 1.2)")
+    g.add_argument("--tail-ratio", type=_ratio, default=3.0,
+                   help="token verdict: largest p99 and max of KL(eager||fused) over those of KL(ref||eager) (default 3)")
+    g.add_argument("--answer-ratio", type=_ratio, default=1.25,
+                   help="per question: how many times eager's departures from the reference answers fused may have "
+                        "(default 1.25)")
+    g.add_argument("--loglik-ratio", type=_ratio, default=2.0,
+                   help="per question: a log-likelihood shift from the reference counts against fused above this "
+                        "many times eager's (default 2)")
+    g.add_argument("--change-max", type=open_fraction, default=0.05,
+                   help="per question without a reference: share of answers fused may change (default 0.05)")
     g.add_argument("--fail-on-difference", action="store_true", help="exit 1 if any verdict is DIFFERENCE")
 
 
@@ -128,7 +142,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         tasks = TaskOptions(
             names=tuple(names), local_data=tuple(args.local_data or ()), limit=args.limit, batch_size=args.batch_size,
             num_fewshot=args.num_fewshot, seed=args.seed, gen_kwargs=args.gen_kwargs,
-            apply_chat_template=args.apply_chat_template,
+            apply_chat_template=args.apply_chat_template, reference_dtype=args.reference_dtype,
         )
     elif args.local_data:
         raise EvalSetupError("--local-data points tasks at files, but no --tasks were given")
@@ -146,7 +160,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         tasks=tasks,
         text=text,
         thresholds=Thresholds(alpha=args.alpha, power=args.power, top1_min=args.top1_min, kl_max=args.kl_max,
-                              ratio_max=args.ratio_max),
+                              ratio_max=args.ratio_max, tail_ratio=args.tail_ratio, answer_ratio=args.answer_ratio,
+                              loglik_ratio=args.loglik_ratio, change_max=args.change_max),
     )
 
 

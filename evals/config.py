@@ -77,6 +77,9 @@ class TaskOptions:
         seed: python, numpy, torch and few-shot seed, the same for both runs.
         gen_kwargs: generation overrides for generative tasks, e.g. "max_gen_toks=256".
         apply_chat_template: lm-eval's flag.
+        reference_dtype: a third run, the unpatched model in this dtype: the noise floor of the
+            per-question verdict. "auto" (float32 for a bf16/fp16 model, float64 for float32),
+            "none", "float32", "float64".
     """
 
     names: tuple[str, ...]
@@ -87,9 +90,12 @@ class TaskOptions:
     seed: int = 0
     gen_kwargs: str | None = None
     apply_chat_template: bool = False
+    reference_dtype: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "names", _tuple(self.names, "task names"))
+        _require(self.reference_dtype in REFERENCE_DTYPES,
+                 f"reference_dtype must be one of {', '.join(REFERENCE_DTYPES)}, got {self.reference_dtype!r}")
         object.__setattr__(self, "local_data", _tuple(self.local_data, "local_data items"))
         _require(bool(self.names), "no tasks given; name at least one (e.g. leaderboard_mmlu_pro gpqa_diamond_zeroshot)")
         if self.limit is not None:
@@ -114,7 +120,7 @@ class TextOptions:
         max_tokens: cap on the tokens compared, in whole windows (None: all the text).
         batch_size: windows per forward pass.
         reference_dtype: also run the unpatched model in this dtype and compare both with it:
-            "auto" (float32 for a bf16/fp16 model, none for float32), "none", "float32", "float64".
+            "auto" (float32 for a bf16/fp16 model, float64 for float32), "none", "float32", "float64".
     """
 
     path: str | None = None
@@ -143,28 +149,46 @@ class TextOptions:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """When a verdict says DIFFERENCE (report.py explains each rule).
+    """When a verdict says DIFFERENCE (verdicts.py explains each rule).
 
     Attributes:
-        alpha: significance level of the paired tests (0 < alpha < 1).
+        alpha: false-alarm level of the per-question verdict, split over its checks (0 < alpha < 1).
         power: power of the minimum detectable differences (0 < power < 1).
         top1_min: token verdict without a reference: least top-1 agreement.
         kl_max: token verdict without a reference: largest mean KL, nats per token.
-        ratio_max: token verdict with a reference: largest KL(ref || fused) / KL(ref || eager).
+        ratio_max: token verdict with a reference: largest mean KL(ref || fused) / mean KL(ref || eager).
+        tail_ratio: token verdict with a reference: largest p99 (and max) of KL(eager || fused)
+            over that of KL(ref || eager).
+        answer_ratio: per question, with a reference: how many times eager's departures from
+            the reference answers fused may have.
+        loglik_ratio: per question: a question's log-likelihood shift from the reference counts
+            against fused above this many times eager's.
+        change_max: per question, without a reference: the share of answers fused may change.
     """
 
     alpha: float = 0.05
     power: float = 0.8
     top1_min: float = 0.999
     kl_max: float = 1e-4
-    ratio_max: float = 2.0
+    ratio_max: float = 1.2
+    tail_ratio: float = 3.0
+    answer_ratio: float = 1.25
+    loglik_ratio: float = 2.0
+    change_max: float = 0.05
 
     def __post_init__(self):
         _require(0 < self.alpha < 1, f"alpha must be between 0 and 1, got {self.alpha}")
         _require(0 < self.power < 1, f"power must be between 0 and 1, got {self.power}")
         _require(0 <= self.top1_min <= 1, f"top1_min must be between 0 and 1, got {self.top1_min}")
         _require(self.kl_max >= 0, f"kl_max must be >= 0, got {self.kl_max}")
-        _require(self.ratio_max >= 1, f"ratio_max must be >= 1 (fused no worse than eager), got {self.ratio_max}")
+        for name in ("ratio_max", "tail_ratio", "answer_ratio", "loglik_ratio"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{name} must be >= 1 (fused no worse than eager), got {value}")
+        _require(0 < self.change_max < 1, f"change_max must be between 0 and 1, got {self.change_max}")
+
+    def question_options(self) -> dict:
+        """The per-question checks' thresholds, as `verdicts.question_checks` takes them."""
+        return {"answer_ratio": self.answer_ratio, "loglik_ratio": self.loglik_ratio, "change_max": self.change_max}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ settings and seeds, and pairs the logged samples (`pairing.py`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .errors import EvalSetupError
 from .local_tasks import check_task_names, leaf_tasks, parse_local_data, render_overrides, task_manager
 from .pairing import pair_records, records_by_filter
 from .patching import Patcher
+from .token_agreement import _cast_floating
 from .stats import mdd_unpaired, proportion_stderr
 
 
@@ -114,10 +116,12 @@ def _float(x):
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
-def _row(name, kind, subtasks, output_type, filt, eager_res, fused_res, eager_recs, fused_recs, alpha, power) -> dict:
+def _row(name, kind, subtasks, output_type, filt, eager_res, fused_res, eager_recs, fused_recs, alpha, power,
+         ref_recs=None, verdict=None) -> dict:
     """One report row: a task (or a group, pooled) under one filter."""
-    answers = pair_records(name, eager_recs, fused_recs, alpha, power)
+    answers = pair_records(name, eager_recs, fused_recs, alpha, power, ref_recs, verdict)
     paired = answers.pop("paired")
+    checks = answers.pop("checks")
     metrics = {}
     for key in _metric_keys(eager_res):
         metric, _, f = key.partition(",")
@@ -146,7 +150,7 @@ def _row(name, kind, subtasks, output_type, filt, eager_res, fused_res, eager_re
         }
     return {
         "task": name, "filter": filt, "kind": kind, "subtasks": subtasks, "output_type": output_type,
-        "n": answers["n"], "metrics": metrics, "answers": answers,
+        "n": answers["n"], "metrics": metrics, "answers": answers, "checks": checks,
     }
 
 
@@ -163,9 +167,10 @@ def _pooled(res: dict, leaves: list[str], filt: str) -> dict:
     return {f"{m},{filt}": sum(v) / len(v) for m, v in sums.items() if v}
 
 
-def build_rows(plan: TaskPlan, eager: dict, fused: dict, alpha: float = 0.05, power: float = 0.8) -> tuple[list[dict], dict]:
-    """Pair two `simple_evaluate` results into report rows, one per (leaf task, filter), plus
-    one pooled row per requested group or tag with more than one leaf.
+def build_rows(plan: TaskPlan, eager: dict, fused: dict, alpha: float = 0.05, power: float = 0.8,
+               reference: dict | None = None, verdict: dict | None = None) -> tuple[list[dict], dict]:
+    """Pair two `simple_evaluate` results (and the reference run's, if any) into report rows, one
+    per (leaf task, filter), plus one pooled row per requested group or tag with more than one leaf.
 
     Returns:
         (rows, per-sample records {row name: [(doc key, eager record, fused record)]}).
@@ -176,11 +181,13 @@ def build_rows(plan: TaskPlan, eager: dict, fused: dict, alpha: float = 0.05, po
     for leaf in all_leaves:
         otype = eager["configs"][leaf]["output_type"]
         e_by, f_by = records_by_filter(eager["samples"][leaf], otype), records_by_filter(fused["samples"].get(leaf, []), otype)
-        by_leaf[leaf] = (otype, e_by, f_by)
+        r_by = records_by_filter(reference["samples"].get(leaf, []), otype) if reference is not None else None
+        by_leaf[leaf] = (otype, e_by, f_by, r_by)
         for filt in e_by:
             name = leaf if filt == "none" else f"{leaf},{filt}"
             rows.append(_row(leaf, "task", [], otype, filt, eager["results"][leaf], fused["results"][leaf],
-                             e_by[filt], f_by.get(filt, {}), alpha, power))
+                             e_by[filt], f_by.get(filt, {}), alpha, power,
+                             r_by.get(filt, {}) if r_by is not None else None, verdict))
             per_sample[name] = [(i, e_by[filt][i], f_by[filt].get(i)) for i in sorted(e_by[filt])]
     for req, leaves in plan.leaves.items():
         leaves = [leaf for leaf in leaves if leaf in by_leaf]
@@ -188,15 +195,33 @@ def build_rows(plan: TaskPlan, eager: dict, fused: dict, alpha: float = 0.05, po
             continue
         otypes = {by_leaf[leaf][0] for leaf in leaves}
         for filt in sorted({f for leaf in leaves for f in by_leaf[leaf][1]}):
-            e_recs, f_recs = {}, {}
+            e_recs, f_recs, r_recs = {}, {}, ({} if reference is not None else None)
             for k, leaf in enumerate(leaves):
-                for i, rec in by_leaf[leaf][1].get(filt, {}).items():
-                    e_recs[k * 10**7 + i] = rec
-                for i, rec in by_leaf[leaf][2].get(filt, {}).items():
-                    f_recs[k * 10**7 + i] = rec
+                for side, recs in ((1, e_recs), (2, f_recs), (3, r_recs)):
+                    if recs is None:
+                        continue
+                    for i, rec in by_leaf[leaf][side].get(filt, {}).items():
+                        recs[k * 10**7 + i] = rec
             rows.append(_row(req, "group", leaves, "/".join(sorted(otypes)), filt, _pooled(eager, leaves, filt),
-                             _pooled(fused, leaves, filt), e_recs, f_recs, alpha, power))
+                             _pooled(fused, leaves, filt), e_recs, f_recs, alpha, power, r_recs, verdict))
     return rows, per_sample
+
+
+@contextlib.contextmanager
+def _lm_eval_git_hash():
+    """lm-eval logs the git commit of the working directory by running ``git describe`` there,
+    whose "fatal: not a git repository" reaches the terminal outside a repository. Its results
+    get swiglu-patch's own commit instead (the one the report records), with no subprocess."""
+    import lm_eval.evaluator
+
+    from swiglu_patch.provenance import git_commit
+
+    saved = lm_eval.evaluator.get_git_commit_hash
+    lm_eval.evaluator.get_git_commit_hash = lambda: git_commit().get("commit")
+    try:
+        yield
+    finally:
+        lm_eval.evaluator.get_git_commit_hash = saved
 
 
 def _write_samples(folder: Path, per_sample: dict, eager: dict) -> None:
@@ -225,8 +250,11 @@ def compare_on_tasks(
     patcher: Patcher | None = None,
     alpha: float = 0.05,
     power: float = 0.8,
+    reference_dtype=None,
+    verdict: dict | None = None,
 ) -> dict:
-    """Run lm-eval on `model` unpatched, then patched, and pair the results.
+    """Run lm-eval on `model` unpatched, then (with a reference dtype) unpatched in that dtype,
+    then patched, and pair the results.
 
     The model is left patched: the caller undoes it with ``patcher.restore(model)`` (as
     `run_eval` does).
@@ -242,6 +270,9 @@ def compare_on_tasks(
         patcher: how to make the fused model (default `Patcher()`: apply_fused_mlp, backend auto).
         alpha: significance level of the paired tests.
         power: power for minimum detectable differences.
+        reference_dtype: a torch dtype for the reference run (the noise floor of the
+            per-question verdict): the model is cast to it in place and back exactly; None: none.
+        verdict: `verdicts.question_checks` thresholds (answer_ratio, loglik_ratio, change_max).
 
     Returns:
         {"rows": [...], "runs": {"eager": {...}, "fused": {...}}, "patch_report": str, "fused_path": str}.
@@ -260,15 +291,24 @@ def compare_on_tasks(
         gen_kwargs=o.gen_kwargs, apply_chat_template=o.apply_chat_template,
     )
     runs, results = {}, {}
-    for side in ("eager", "fused"):
+    sides = ("eager", "reference", "fused") if reference_dtype is not None else ("eager", "fused")
+    ref_name = str(reference_dtype).replace("torch.", "")
+    for side in sides:
         report = patcher.apply(model) if side == "fused" else None
-        print(f"\n=== swiglu-patch eval: {side} run ({patcher.path(model) if side == 'fused' else 'unpatched'}) ===", flush=True)
+        what = {"eager": "unpatched", "reference": f"unpatched, {ref_name}"}.get(side) or patcher.path(model)
+        print(f"\n=== swiglu-patch eval: {side} run ({what}) ===", flush=True)
+        old = _cast_floating(model, reference_dtype) if side == "reference" else None
         t0 = time.perf_counter()
-        res = lm_eval.simple_evaluate(model=hflm, task_manager=plan.task_manager(), **kwargs)
+        try:
+            with _lm_eval_git_hash():
+                res = lm_eval.simple_evaluate(model=hflm, task_manager=plan.task_manager(), **kwargs)
+        finally:
+            if old is not None:
+                _cast_floating(model, old)
         runs[side] = {"seconds": time.perf_counter() - t0, "patch_report": report}
         results[side] = res
         with open(output_dir / f"lm_eval_{side}.json", "w", encoding="utf-8") as fh:
             json.dump(_strip(res), fh, indent=1, default=str)
-    rows, per_sample = build_rows(plan, results["eager"], results["fused"], alpha, power)
+    rows, per_sample = build_rows(plan, results["eager"], results["fused"], alpha, power, results.get("reference"), verdict)
     _write_samples(output_dir / "samples", per_sample, results["eager"])
     return {"rows": rows, "runs": runs, "patch_report": runs["fused"]["patch_report"], "fused_path": patcher.path(model)}

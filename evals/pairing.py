@@ -16,10 +16,12 @@ Pairing is by (filter, doc_id); the two runs must have seen the same prompt (sam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
-from .stats import mcnemar_exact, mdd_paired, paired_diff_stderr
+from .stats import mcnemar_exact, mdd_paired, paired_diff_stderr, too_few_questions
+from .verdicts import question_checks
 
 
 @dataclass
@@ -118,7 +120,10 @@ class PairedMetric:
         wrong_to_right: wrong in A, right in B (c).
         mcnemar_p: exact two-sided McNemar p-value of b vs c.
         diff_stderr: stderr of the paired difference (B - A), as a fraction.
-        mdd_paired: minimum detectable paired difference, as a fraction.
+        mdd_paired: minimum detectable paired difference, as a fraction (never above the
+            unpaired one for the same n and score; see `stats.mdd_paired`).
+        too_few: n is too small for the paired test to detect anything (`stats.too_few_questions`);
+            mdd_paired is then None.
     """
 
     n: int
@@ -128,7 +133,8 @@ class PairedMetric:
     wrong_to_right: int
     mcnemar_p: float
     diff_stderr: float
-    mdd_paired: float
+    mdd_paired: float | None
+    too_few: bool = False
 
 
 def paired_binary(a: list[float], b: list[float], alpha: float = 0.05, power: float = 0.8) -> PairedMetric:
@@ -150,10 +156,12 @@ def paired_binary(a: list[float], b: list[float], alpha: float = 0.05, power: fl
     r2w = sum(1 for x, y in zip(a, b) if x and not y)
     w2r = sum(1 for x, y in zip(a, b) if not x and y)
     n = len(a)
+    p = sum(a) / n if n else 0.0
+    few = too_few_questions(n, p, alpha)
     return PairedMetric(
         n=n, both_right=rr, both_wrong=ww, right_to_wrong=r2w, wrong_to_right=w2r,
         mcnemar_p=mcnemar_exact(r2w, w2r), diff_stderr=paired_diff_stderr(r2w, w2r, n),
-        mdd_paired=mdd_paired(r2w + w2r, n, alpha, power),
+        mdd_paired=None if few else mdd_paired(r2w + w2r, n, alpha, power, p), too_few=few,
     )
 
 
@@ -162,9 +170,10 @@ def _is_binary(values: list[float]) -> bool:
 
 
 def pair_records(
-    task: str, eager: dict[int, QuestionRecord], fused: dict[int, QuestionRecord], alpha: float = 0.05, power: float = 0.8
+    task: str, eager: dict[int, QuestionRecord], fused: dict[int, QuestionRecord], alpha: float = 0.05,
+    power: float = 0.8, reference: dict[int, QuestionRecord] | None = None, verdict: dict | None = None,
 ) -> dict:
-    """Compare one task's (one filter's) answers, question by question.
+    """Compare one task's (one filter's) answers, question by question, and give the verdict.
 
     Args:
         task: task name, for error messages.
@@ -172,26 +181,35 @@ def pair_records(
         fused: {doc_id: record} of the fused run.
         alpha: significance level.
         power: power for detectable differences.
+        reference: {doc_id: record} of the reference run (the unpatched model in higher
+            precision: the noise floor), or None.
+        verdict: keyword arguments of `verdicts.question_checks` besides the per-question data
+            (answer_ratio, loglik_ratio, change_max).
 
     Returns:
         A JSON-ready dict: n, answers_same, answer_agreement, changed_doc_ids (first 50),
         max_abs_loglik_diff, mean_abs_loglik_diff (nats; None without log-likelihoods),
-        identical_text (generation only) and ``paired`` = {metric: PairedMetric fields} for
-        every metric whose per-question values are all 0/1.
+        identical_text (generation only), reference_answers_same (eager vs reference; None
+        without one), ``paired`` = {metric: PairedMetric fields} for every metric whose
+        per-question values are all 0/1, and ``checks``: the per-question verdict
+        (`verdicts.question_checks`).
 
     Raises:
         RuntimeError: the runs did not see the same questions or prompts.
     """
-    if set(eager) != set(fused):
-        missing = sorted(set(eager) ^ set(fused))[:10]
-        raise RuntimeError(f"{task}: eager and fused runs logged different questions (doc_ids {missing} ...)")
+    runs = {"fused": fused, **({"reference": reference} if reference is not None else {})}
+    for side, recs in runs.items():
+        if set(eager) != set(recs):
+            missing = sorted(set(eager) ^ set(recs))[:10]
+            raise RuntimeError(f"{task}: eager and {side} runs logged different questions (doc_ids {missing} ...)")
     ids = sorted(eager)
     for i in ids:
-        if eager[i].prompt_hash != fused[i].prompt_hash:
-            raise RuntimeError(
-                f"{task}: doc {i} got a different prompt in the eager and fused runs; the task is not "
-                "deterministic under a fixed seed (check its process_docs and few-shot sampler)"
-            )
+        for side, recs in runs.items():
+            if eager[i].prompt_hash != recs[i].prompt_hash:
+                raise RuntimeError(
+                    f"{task}: doc {i} got a different prompt in the eager and {side} runs; the task is not "
+                    "deterministic under a fixed seed (check its process_docs and few-shot sampler)"
+                )
     same = [eager[i].answer == fused[i].answer for i in ids]
     diffs = [
         abs(x - y)
@@ -212,9 +230,25 @@ def pair_records(
     if ids and eager[ids[0]].text is not None:
         out["identical_text"] = sum(eager[i].text == fused[i].text for i in ids)
     metric_names = sorted(set.intersection(*(set(eager[i].metrics) & set(fused[i].metrics) for i in ids))) if ids else []
+    right = {}
     for m in metric_names:
         a = [eager[i].metrics[m] for i in ids]
         b = [fused[i].metrics[m] for i in ids]
         if _is_binary(a) and _is_binary(b):
             out["paired"][m] = paired_binary(a, b, alpha, power).__dict__
+            right[m] = (a, b)
+    ref = [reference[i] for i in ids] if reference is not None else None
+    out["reference_answers_same"] = sum(reference[i].answer == eager[i].answer for i in ids) if ref else None
+    has_ll = ref is not None and any(eager[i].logliks for i in ids)
+    out["checks"] = question_checks(
+        alpha=alpha, eager=[_key(eager[i]) for i in ids], fused=[_key(fused[i]) for i in ids],
+        reference=[_key(r) for r in ref] if ref else None, right=right,
+        logliks=([eager[i].logliks for i in ids], [fused[i].logliks for i in ids], [r.logliks for r in ref]) if has_ll else None,
+        **(verdict or {}),
+    )
     return out
+
+
+def _key(rec: QuestionRecord) -> object:
+    """What counts as the answer: the chosen answer, and for generation the text too."""
+    return rec.answer if rec.text is None else (json.dumps(rec.answer, default=str), rec.text)

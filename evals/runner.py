@@ -4,7 +4,7 @@ Order, so that bad input fails before anything is evaluated or written: check th
 source (a local path, or a hub id that can be fetched now) and the backend against the
 device; check tasks and local files (and build the tasks once); read the text; load the
 model; patch and unpatch it once (an unpatchable model stops here); cut the text into
-windows. Then the token-level comparison, then lm-eval eager and fused, then the reports. The
+windows. Then the token-level comparison, then lm-eval eager, reference and fused, then the reports. The
 model is loaded once and patched in place between the runs (see `patching.py` for why), and
 is left unpatched on return. A setup failure removes the output folder if this call made it.
 """
@@ -126,12 +126,14 @@ def _evaluate(run: _Prepared, config: EvalConfig, patcher: Patcher, out: Path) -
         tokens = compare_tokens(lm, run.windows, patcher=patcher, batch_size=text.batch_size,
                                 reference_dtype=_reference(text.reference_dtype, lm), progress=config.progress)
         tokens["source"] = text.source
-        tokens["verdict"] = token_verdict(tokens, th.top1_min, th.kl_max, th.ratio_max)
+        tokens["verdict"] = token_verdict(tokens, th.top1_min, th.kl_max, th.ratio_max, th.tail_ratio)
         report["tokens"] = tokens
     if run.plan is not None:
         try:
             res = compare_on_tasks(lm, run.tokenizer, run.plan, out, config.tasks, patcher=patcher,
-                                   alpha=th.alpha, power=th.power)
+                                   alpha=th.alpha, power=th.power,
+                                   reference_dtype=_reference(config.tasks.reference_dtype, lm),
+                                   verdict=th.question_options())
         finally:
             patcher.restore(lm)
         for row in res["rows"]:
@@ -159,5 +161,5 @@ def _reference(name: str, model):
 
     if name == "auto":
         low = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-        return torch.float32 if low else None
+        return torch.float32 if low else torch.float64
     return {"none": None, "float32": torch.float32, "float64": torch.float64}[name]

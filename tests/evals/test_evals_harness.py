@@ -98,17 +98,24 @@ def test_scores_match_an_independent_recount_of_the_samples(identity_report):
 
 
 @slow
-def test_real_patch_agrees_and_leaves_model_as_it_was(tiny_dir, tmp_path):
+def test_real_patch_agrees_and_leaves_model_as_it_was(tiny_dir, tmp_path, monkeypatch, capfd):
+    """Also: the float64 reference run (auto for a float32 model) is the noise floor of the
+    verdict, and lm-eval's git lookup prints nothing outside a repository."""
     model, tok = build_tiny_llama()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    config = EvalConfig(output_dir=tmp_path, load=LoadOptions(backend="torch"), print_summary=False,
+    monkeypatch.chdir(tmp_path)  # not a git repository
+    config = EvalConfig(output_dir=tmp_path / "out", load=LoadOptions(backend="torch"), print_summary=False,
                         tasks=TaskOptions(names=("gpqa_diamond_zeroshot",), local_data=(GPQA,), batch_size=4))
     report = run_eval(model, config, tokenizer=tok)
+    assert "fatal: not a git repository" not in capfd.readouterr().err
     assert "patched 2 MLP" in report["patch_report"]
     row = _rows(report)[("gpqa_diamond_zeroshot", "none")]
     assert row["answers"]["answers_same"] == row["n"] == 24
     assert row["answers"]["max_abs_loglik_diff"] < 1e-4  # fp32: rounding at most
+    assert row["answers"]["reference_answers_same"] == 24 and "reference_s" in report["timing"]
+    assert [c["check"] for c in row["checks"]["checks"]] == ["accuracy", "answers", "logliks"]
     assert row["verdict"]["label"] == "no detectable difference"
+    assert json.loads((tmp_path / "out" / "lm_eval_reference.json").read_text())["git_hash"] is not None
     assert not is_patched(model)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -138,7 +145,7 @@ def test_perturbed_mlp_is_detected(identity_report, tiny_dir, tmp_path):
     assert acc["eager"] == 1.0
     assert acc["paired"]["right_to_wrong"] >= 10 and acc["paired"]["wrong_to_right"] == 0
     assert acc["paired"]["mcnemar_p"] < 0.05
-    assert row["verdict"]["label"] == "DIFFERENCE"
+    assert row["verdict"]["label"] == "DIFFERENCE" and "answers" in row["verdict"]["flagged"]
     assert row["answers"]["answers_same"] < row["n"]
     assert report["tokens"]["verdict"]["label"] == "DIFFERENCE"
     assert report["tokens"]["top1_agreement"] < 0.99
