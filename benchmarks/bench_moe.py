@@ -10,7 +10,7 @@ clamped), random bf16 weights from one seed, routed by the top-k of a softmax ov
 logits ("uniform") or over Zipf-skewed logits ("zipf": expert e drawn with weight 1/(e+1)).
 Ways, each on the same module, weights and routing:
 
-- ours: `swiglu_patch.kernels.experts_dispatch.experts_forward` on the module's own weights;
+- ours: `swiglu_patch.kernels.experts.experts_forward` on the module's own weights;
 - grouped_mm, batched_mm, eager: transformers' implementations (`config._experts_implementation`);
   batched_mm is skipped where its per-pair weight copy exceeds --batched-gib, eager past --eager-max;
 - liger: Liger-Kernel's `LigerFusedMoEFunction` (SiLU, chunked layout only), when installed.
@@ -69,22 +69,20 @@ TINY = MoEShape("tiny", 64, 48, 8, 2)
 
 def sweep_configs() -> dict:
     """Candidate (kernel, config) of ours that --sweep times beside the rule's choice."""
-    from swiglu_patch.kernels.experts_dispatch import ExpertsConfig as C
+    from swiglu_patch.kernels.configs import ExpertsConfig as C
 
     return {
-        "gemv_32x128": ("experts_gemv", C(1, 32, 128, 32, 128, num_warps=4, num_stages=1)),
-        "gemv_16x256": ("experts_gemv", C(1, 16, 256, 16, 256, num_warps=4, num_stages=1)),
-        "gemv_64x64": ("experts_gemv", C(1, 64, 64, 64, 64, num_warps=4, num_stages=1)),
-        "gemv_32x256w8": ("experts_gemv", C(1, 32, 256, 16, 256, num_warps=8, num_stages=1)),
-        "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-        "g16_128x64s3": ("experts_grouped", C(16, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=3)),
         "g16_32x256s3": ("experts_grouped", C(16, 32, 256, 32, 256, group_m=8, num_warps=4, num_stages=3)),
+        "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+        "g16_32x256s4d64": ("experts_grouped", C(16, 32, 256, 64, 128, group_m=8, num_warps=4, num_stages=4)),
         "g32_64x128s4": ("experts_grouped", C(32, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
-        "g64_128x64w8": ("experts_grouped", C(64, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
         "g64_64x128w4": ("experts_grouped", C(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3)),
-        "g128_128x64w8": ("experts_grouped", C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
-        "g128_128x128w8": ("experts_grouped", C(128, 128, 64, 128, 128, group_m=16, num_warps=8, num_stages=3)),
         "g64_128x64w4s4": ("experts_grouped", C(64, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+        "g64_128x64w8": ("experts_grouped", C(64, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+        "g128_128x64w8": ("experts_grouped", C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+        "g128_128x64w8s4": ("experts_grouped", C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=4)),
+        "g128_128x128w8": ("experts_grouped", C(128, 128, 64, 128, 128, group_m=16, num_warps=8, num_stages=3)),
+        "g128_256x64w8": ("experts_grouped", C(128, 128, 64, 256, 64, group_m=8, num_warps=8, num_stages=3)),
     }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
@@ -155,7 +153,7 @@ def layout_of(module):
 
 
 def ours_fn(module, x, idx, w, kernel: str = "auto", config=None):
-    from swiglu_patch.kernels.experts_dispatch import experts_forward
+    from swiglu_patch.kernels.experts import experts_forward
 
     spec = layout_of(module)
     gb, db = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
@@ -239,8 +237,6 @@ def run(args: argparse.Namespace) -> dict:
                     fns["liger"] = liger_fn(module, x, idx, w)
                 if args.sweep:
                     for name, (kernel, config) in sweep_configs().items():
-                        if kernel == "experts_gemv" and tokens > 64:
-                            continue
                         fns[f"ours[{name}]"] = ours_fn(module, x, idx, w, kernel, config)
                 row = {"shape": shape.name, "routing": kind, "tokens": tokens, "errors": {}, "us": {}, "modes": {}}
                 check = min(tokens, args.check_rows)

@@ -91,13 +91,40 @@ def tma_fits(dtype: torch.dtype, i: int) -> bool:
 
 
 @dataclass(frozen=True)
+class ExpertsConfig:
+    """Tiles of the experts kernels (`experts_gemv.py`, `experts_gemm.py`).
+
+    Attributes:
+        block_m: pairs per block of the grouped kernels (a multiple of 16 for tl.dot); the GEMV ignores it.
+        block_n, block_k: the gated kernel's tile along I and its step along K.
+        down_block_n, down_block_k: the down kernel's tile along K_out and its step along I.
+        group_m: blocks that walk the column tiles together (L2 reuse).
+        num_warps, num_stages: Triton's launch parameters.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    down_block_n: int
+    down_block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def short(self) -> str:
+        """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3"."""
+        return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}, "
+                f"g{self.group_m} w{self.num_warps} s{self.num_stages}")
+
+
+@dataclass(frozen=True)
 class KernelCapability:
     """What one kernel file can run: the planner (`dispatch.py`) reads it, the kernel never does.
 
     Attributes:
         name: the kernel's name in the rules (`rules.py`).
         ops: the rule tables it serves: "forward" (the gated GEMM), "backward" (dY @ Wd with
-            the gated derivative).
+            the gated derivative), "experts" (an MoE experts block).
         features: what it can add to a call of those ops: "store_preact" (writes P [M, 2*I]),
             "low_rank" (the LoRA segment x_lr @ b_lr^T), "dh_in" (a further gradient of h).
         dtypes: the dtypes of the tensors it takes.

@@ -7,8 +7,7 @@ of one expert walk its weight tiles together while they sit in L2:
 
 - `_experts_gated_gemm_kernel`: rows are pairs p of one expert e; x[p // TOP_K] is gathered
   by index in the load (no permuted copy of x); two fp32 accumulators [BLOCK_M, BLOCK_N] run
-  over K against e's gate and up columns (`experts_gemv` says how one kernel reads every
-  layout), or, for interleaved pairs, one [BLOCK_M, 2 * BLOCK_N] accumulator over contiguous
+  over K against e's gate and up columns, or, for interleaved pairs, one [BLOCK_M, 2 * BLOCK_N] accumulator over contiguous
   columns that is split into gate and up after the loop; bias, the epilogue in fp32, and
   h[p] [S, I] stored once in x's dtype.
 - `_experts_down_gemm_kernel`: the same blocks; h[p] rows gathered; y[p] = w_p *
@@ -18,6 +17,11 @@ of one expert walk its weight tiles together while they sit in L2:
   block wrote) are skipped.
 
 Padding rows (pair id S) and unused blocks (expert E) load nothing and store nothing.
+
+One kernel reads every layout: gate column i of expert e is at element e * stride_we +
+(i * GATE_STEP) * stride_wn + k * stride_wk of gate_up, its up column at GATE_STEP * i + UP_SHIFT
+(chunked: GATE_STEP 1, UP_SHIFT I; interleaved: 2, 1), and a transposed layout passes its
+strides swapped (`_gate_up_strides`, `_down_strides`).
 dtypes: bf16, fp16 or fp32; fp32 dots use tf32 only where torch.backends.cuda.matmul.allow_tf32
 says so.
 """
@@ -28,10 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .configs import ceil_div
-from .experts_gemv import _down_strides, _gate_up_strides
+from .configs import ExpertsConfig, KernelCapability, ceil_div
 from .experts_jit import experts_epilogue
+from .experts_routing import expert_blocks
 from .jit_common import tile_pid
+from .launcher import FastLaunch
 
 
 @triton.jit
@@ -155,8 +160,9 @@ def _experts_combine_kernel(
     stride_ym, stride_it, stride_ij, stride_om, stride_on,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    num_pid_n = tl.cdiv(K_OUT, BLOCK_N)
+    token = (tl.program_id(0) // num_pid_n).to(tl.int64)
+    offs_n = (tl.program_id(0) % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < K_OUT
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for j in range(TOP_K):  # slots in order: a fixed summation order
@@ -170,54 +176,72 @@ def _experts_combine_kernel(
 COMBINE_BLOCK = 512
 
 
+def _gate_up_strides(gate_up: torch.Tensor, layout) -> tuple[int, int, int]:
+    """(expert, 2I-axis, K-axis) strides of gate_up in any layout."""
+    s = gate_up.stride()
+    return (s[0], s[2], s[1]) if layout.transposed else (s[0], s[1], s[2])
+
+
+def _down_strides(down: torch.Tensor, layout) -> tuple[int, int, int]:
+    """(expert, K_out-axis, I-axis) strides of down in any layout."""
+    s = down.stride()
+    return (s[0], s[2], s[1]) if layout.transposed else (s[0], s[1], s[2])
+
+
 def _precision(dtype: torch.dtype) -> str:
     if dtype is not torch.float32:
         return "tf32"  # ignored by tl.dot for 16-bit operands
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-def experts_grouped(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *, epilogue: dict,
-                    layout, config, sorted_pairs: torch.Tensor, block_expert: torch.Tensor,
-                    out: torch.Tensor) -> torch.Tensor:
-    """Launch the grouped GEMMs and the combine; `experts_dispatch.experts_forward` checks the arguments.
+CAPABILITY = KernelCapability("experts_grouped", ops=("experts",))
 
-    x [T, K]; top_k_index, top_k_weights [T, TOP_K]; weights as `experts_reference`; epilogue:
-    `ExpertsEpilogue.constexprs()` plus APPROX_TANH; config: an `ExpertsConfig`; sorted_pairs,
-    block_expert: `experts_routing.expert_blocks(top_k_index, E, config.block_m)`; out [T, K_out].
-    Returns out.
-    """
-    t, k = x.shape
-    top_k = top_k_index.shape[1]
-    num_pairs = t * top_k
-    num_experts = gate_up.shape[0]
-    num_blocks = block_expert.shape[0]
-    inter = (gate_up.shape[2] if layout.transposed else gate_up.shape[1]) // 2
-    precision = _precision(x.dtype)
-    h = x.new_empty((num_pairs, inter))
-    s_we, s_wn, s_wk = _gate_up_strides(gate_up, layout)
-    bias = gate_up if gate_up_bias is None else gate_up_bias
-    _experts_gated_gemm_kernel[(num_blocks * ceil_div(inter, config.block_n),)](
-        x, sorted_pairs, block_expert, gate_up, bias, h,
-        num_pairs, num_blocks, k, inter, inter if layout.concatenated else 1, num_experts,
-        *x.stride(), s_we, s_wn, s_wk, *bias.stride()[:2], h.stride(0),
-        TOP_K=top_k, GATE_STEP=1 if layout.concatenated else 2, HAS_BIAS=gate_up_bias is not None, **epilogue,
-        INPUT_PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    k_out = out.shape[1]
-    y = x.new_empty((num_pairs, k_out))
-    s_de, s_dn, s_di = _down_strides(down, layout)
-    dbias = down if down_bias is None else down_bias
-    _experts_down_gemm_kernel[(num_blocks * ceil_div(k_out, config.down_block_n),)](
-        h, sorted_pairs, block_expert, top_k_weights, down, dbias, y,
-        num_pairs, num_blocks, k_out, inter, num_experts, h.stride(0), *top_k_weights.stride(),
-        s_de, s_dn, s_di, *dbias.stride()[:2], y.stride(0),
-        TOP_K=top_k, HAS_BIAS=down_bias is not None, INPUT_PRECISION=precision,
-        BLOCK_M=config.block_m, BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    _experts_combine_kernel[(t, ceil_div(k_out, COMBINE_BLOCK))](
-        y, top_k_index, out, k_out, num_experts, y.stride(0), *top_k_index.stride(), *out.stride(),
-        TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4,
-    )
-    return out
+
+def can_run(*tensors) -> bool:
+    """Every call the planner makes: any device Triton runs on, any strides, any sizes."""
+    return True
+
+
+def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
+    """A launcher `(x [T, K], top_k_index [T, TOP_K], top_k_weights [T, TOP_K], gate_up, down,
+    gate_up_bias or None, down_bias or None, out [T, K_out]) -> out` for one (config, epilogue
+    constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K): the routing prep
+    (`experts_routing.expert_blocks`), both grouped GEMMs and the combine. Arguments are checked
+    by the caller (`experts.experts_forward`)."""
+    step = 1 if layout.concatenated else 2
+    tiles = dict(BLOCK_M=config.block_m, GROUP_M=config.group_m, num_warps=config.num_warps,
+                 num_stages=config.num_stages)
+    gated = {precision: FastLaunch(_experts_gated_gemm_kernel, dict(
+        TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue, INPUT_PRECISION=precision,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, **tiles)) for precision in ("tf32", "ieee")}
+    down_kernel = {precision: FastLaunch(_experts_down_gemm_kernel, dict(
+        TOP_K=top_k, HAS_BIAS=has_bias, INPUT_PRECISION=precision, BLOCK_N=config.down_block_n,
+        BLOCK_K=config.down_block_k, **tiles)) for precision in ("tf32", "ieee")}
+    combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
+
+    def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out):
+        t, k = x.shape
+        num_pairs, num_experts = t * top_k, gate_up.shape[0]
+        inter = gate_up.shape[1 + layout.transposed] >> 1
+        k_out = out.shape[1]
+        precision = _precision(x.dtype)
+        sorted_pairs, block_expert = expert_blocks(top_k_index, num_experts, config.block_m)
+        num_blocks = block_expert.shape[0]
+        h = x.new_empty((num_pairs, inter))
+        y = x.new_empty((num_pairs, k_out))
+        bias = gate_up if gate_up_bias is None else gate_up_bias  # not read without HAS_BIAS
+        dbias = down if down_bias is None else down_bias
+        device = x.get_device()
+        gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
+                         x, sorted_pairs, block_expert, gate_up, bias, h,
+                         num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, *x.stride(),
+                         *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0))
+        down_kernel[precision](num_blocks * ceil_div(k_out, config.down_block_n), device,
+                               h, sorted_pairs, block_expert, top_k_weights, down, dbias, y,
+                               num_pairs, num_blocks, k_out, inter, num_experts, h.stride(0), *top_k_weights.stride(),
+                               *_down_strides(down, layout), dbias.stride(0), dbias.stride(1), y.stride(0))
+        combine(t * ceil_div(k_out, COMBINE_BLOCK), device, y, top_k_index, out, k_out, num_experts, y.stride(0),
+                *top_k_index.stride(), *out.stride())
+        return out
+
+    return launch

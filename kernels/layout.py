@@ -101,7 +101,6 @@ def copy_into_interleaved(packed: torch.Tensor, gate: torch.Tensor | None, up: t
         gate, up: [I, ...] rows to write, packed's trailing shape, or None to leave that half as it is.
     """
     intermediate = packed.shape[0] // 2
-    tail = packed.shape[1:]
     full = intermediate - intermediate % GATE_UP_BLOCK  # rows in whole blocks
     rest = intermediate - full  # the last, partial block: rest gate rows, then rest up rows
     if full:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .configs import ExpertsConfig as EC
 from .configs import GatedGemmConfig as C
 
 KERNELS = ("gemv", "pointer", "grid", "tma")
@@ -176,6 +177,21 @@ BACKWARD_RULES: tuple[Rule, ...] = (
              "and dtype (Triton 3.6, sm_90a: 128x64x64 w8 and 64x64x64 w4 spill 150-660 bytes); not yet timed"),
 )
 
+# -- MoE experts blocks: M is the block's tokens T (`experts.experts_forward`); the configs are
+# `configs.ExpertsConfig` (the gated tile, then the down tile). Chosen on the H100 by
+# `bench_moe --sweep` over the Qwen3-30B-A3B, OLMoE, gpt-oss-20b, Mixtral-8x7B and GLM-4.5-Air shapes
+# (geometric mean of time over the best config, per T range; uniform routing).
+MOE = ("h100/moe/sweep.json",)
+EXPERTS_RULES: tuple[Rule, ...] = (
+    Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
+         why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
+             "1.014x at T = 4-8, 1.017x at T = 64"),
+    Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
+         sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
+    Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3), m=(513, None),
+         sweep=MOE, why="prefill: 128x128 tiles of both GEMMs; 1.004x the best at T = 1024-4096"),
+)
+
 # A call that names a kernel without a config gets this one (the pointer and TMA kernels: their
 # GPU-independent rule for the call's M).
 DEFAULT_CONFIGS: dict[str, C] = {
@@ -187,4 +203,4 @@ DEFAULT_CONFIGS: dict[str, C] = {
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family
 # adds its table here and kernel files whose CAPABILITY names it.
-TABLES: dict[str, tuple[Rule, ...]] = {"forward": RULES, "backward": BACKWARD_RULES}
+TABLES: dict[str, tuple[Rule, ...]] = {"forward": RULES, "backward": BACKWARD_RULES, "experts": EXPERTS_RULES}

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import ops
 from .kernels.epilogue import GatedEpilogue
 from .kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
 from .registry import Refused, activation_of_module
@@ -201,34 +202,6 @@ def probe_experts(module: nn.Module, spec: ExpertsSpec, seed: int = 0) -> float:
 # -- the forward transformers calls -------------------------------------------------------------
 
 
-def _kernels():
-    """The experts kernels' entry module, imported on first use (the torch path needs no Triton)."""
-    try:
-        from .kernels import experts_dispatch
-    except ImportError as e:  # triton missing (not Linux) or broken
-        raise ImportError(f"swiglu_patch: the fused experts need Triton ({e}); `pip install triton` on Linux, or "
-                          "patch with backend='torch'") from e
-    return experts_dispatch
-
-
-@torch.library.custom_op("swiglu_patch::experts", mutates_args=())
-def _experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
-                gate_scale: float, out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool,
-                concatenated: bool) -> torch.Tensor:
-    clamps = (None, "gate", "activation")
-    gated = GatedEpilogue(activation, gate_scale, out_scale, limit if clamp else None, clamps[clamp] or "gate")
-    epilogue = ExpertsEpilogue(gated, alpha or None)
-    return _kernels().experts_forward(x, top_k_index, top_k_weights, gate_up, down, epilogue,
-                                      ExpertsLayout(transposed, concatenated), gate_up_bias, down_bias)
-
-
-@_experts_op.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gate_scale, out_scale, clamp,
-      limit, alpha, transposed, concatenated):
-    return x.new_empty((x.shape[0], down.shape[2] if transposed else down.shape[1]))
-
-
 def spec_of(module: nn.Module) -> ExpertsSpec:
     """`module`'s proven spec, found and probed on its first call and kept on the module (no tensors).
 
@@ -267,14 +240,12 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
         return experts_reference(hidden_states, top_k_index, top_k_weights, gate_up, down, spec.epilogue, spec.layout,
                                  gate_up_bias, down_bias)
     epilogue, layout = spec.epilogue, spec.layout
-    if torch.compiler.is_compiling():
-        gated = epilogue.gated
-        clamp = 0 if gated.limit is None else (1 if gated.clamp == "gate" else 2)
-        return _experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                           gated.activation, gated.gate_scale, gated.out_scale, clamp, gated.limit or 0.0,
-                           epilogue.alpha or 0.0, layout.transposed, layout.concatenated)
-    return _kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue, layout,
-                                      gate_up_bias, down_bias)
+    if torch.compiler.is_compiling():  # one opaque op for the compiler
+        return ops.experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                              *ops.epilogue_args(epilogue.gated), epilogue.alpha or 0.0, layout.transposed,
+                              layout.concatenated)
+    return ops.experts_kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue,
+                                                 layout, gate_up_bias, down_bias)
 
 
 def register_implementation() -> None:

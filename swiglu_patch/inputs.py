@@ -150,7 +150,7 @@ def in_hub_cache(repo_id: str, filename: str, repo_type: str = "model") -> bool:
         from huggingface_hub import try_to_load_from_cache
 
         return isinstance(try_to_load_from_cache(repo_id, filename, repo_type=repo_type), str)
-    except Exception:  # no huggingface_hub, or not a valid repo id: not cached
+    except Exception:  # noqa: BLE001 - no huggingface_hub, or not a valid repo id: not cached
         return False
 
 

@@ -5,7 +5,8 @@
   low-rank segment, P = x @ W^T + x_lr @ b_lr^T + b (inference);
 - ``swiglu_patch::gated_mlp`` (`gated_mlp_op`): the whole gated MLP through down_proj, with its
   autograd formula registered on it (`swiglu_patch.training` has the formulas and modes);
-- ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P.
+- ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P;
+- ``swiglu_patch::experts`` (`experts_op`): an MoE experts block on the 3-D weights (inference).
 
 Every op takes the epilogue as plain values (`epilogue_args`, read back by `epilogue_of`) and
 runs the kernels (`dispatcher()`: `swiglu_patch.kernels.dispatch`, imported on first use so
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from .kernels.experts_reference import ExpertsEpilogue, ExpertsLayout
 from .kernels.layout import interleave_gate_up, split_interleaved
 
 BACKENDS = ("auto", "triton", "torch")
@@ -108,6 +110,32 @@ def gated_gemm_low_rank_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 @gated_gemm_low_rank_op.register_fake
 def _(x, weight, bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit):
     return x.new_empty((x.shape[0], weight.shape[0] // 2))
+
+
+def experts_kernels():
+    """The experts kernels' entry module (`swiglu_patch.kernels.experts`), imported on first use."""
+    dispatcher()  # the same ImportError, with the fix, where Triton is missing
+    from .kernels import experts
+
+    return experts
+
+
+@torch.library.custom_op("swiglu_patch::experts", mutates_args=())
+def experts_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+               down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, activation: str,
+               gate_scale: float, out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool,
+               concatenated: bool) -> torch.Tensor:
+    """[T, K_out] from x [T, K], top_k_index and top_k_weights [T, top_k] and the experts' 3-D weights in
+    their layout (`kernels/experts_reference.py`): an MoE experts block; alpha > 0 is gpt-oss's gate."""
+    epilogue = ExpertsEpilogue(epilogue_of(activation, gate_scale, out_scale, clamp, limit), alpha or None)
+    return experts_kernels().experts_forward(x, top_k_index, top_k_weights, gate_up, down, epilogue,
+                                             ExpertsLayout(transposed, concatenated), gate_up_bias, down_bias)
+
+
+@experts_op.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gate_scale, out_scale, clamp,
+      limit, alpha, transposed, concatenated):
+    return x.new_empty((x.shape[0], down.shape[2] if transposed else down.shape[1]))
 
 
 # -- training: the backward epilogue in PyTorch (the spec of the kernels' derivative) ----------

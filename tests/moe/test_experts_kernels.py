@@ -1,4 +1,4 @@
-"""The experts kernels (`experts_gemv`, `experts_grouped`) against float64, and the routing prep.
+"""The experts kernel (`experts_grouped`, every rule's tile) against float64, and the routing prep.
 
 On CPU they run in Triton's interpreter (fp32 and fp16: the interpreter's bf16 dot is wrong);
 on a GPU the compiled kernels, bf16 included. Every check draws fresh random inputs, poisons
@@ -13,9 +13,9 @@ import torch
 
 from helpers import rel_err
 from swiglu_patch.kernels.epilogue import GatedEpilogue
-from swiglu_patch.kernels.experts_dispatch import EXPERTS_KERNELS, experts_forward
+from swiglu_patch.kernels.experts import EXPERTS_KERNELS, experts_forward
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
-from swiglu_patch.kernels.experts_routing import capacity, expert_blocks
+from swiglu_patch.kernels.experts_routing import capacity, expert_blocks, expert_blocks_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -132,12 +132,13 @@ def test_expert_parallel_sentinels_add_nothing(kernel):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("prep", [expert_blocks, expert_blocks_torch], ids=["kernel", "torch"])
 @pytest.mark.parametrize("top_k, block_m", [(1, 16), (2, 16), (8, 64)])
-def test_expert_blocks_lay_every_pair_out_once_per_expert(top_k, block_m):
+def test_expert_blocks_lay_every_pair_out_once_per_expert(prep, top_k, block_m):
     e, t = top_k + 5, 53
     index, _ = _routing(t, e, top_k, "empty_expert")
     index[0, 0] = e  # a sentinel gets no row
-    sorted_pairs, block_expert = expert_blocks(index, e, block_m)
+    sorted_pairs, block_expert = prep(index, e, block_m)
     s = t * top_k
     assert sorted_pairs.numel() == capacity(s, e, block_m) == block_expert.numel() * block_m
     pairs = sorted_pairs.view(-1, block_m).cpu()

@@ -1,82 +1,27 @@
-"""`experts_forward`: the one entry point to the experts kernels, choosing by `EXPERTS_RULES`.
+"""`experts_forward`: the entry point to the experts kernels, chosen by the planner (`dispatch`).
 
     out[T, K] = sum_j w[t, j] * down_e(epilogue(gate_e(x[t]), up_e(x[t])))   (`experts_reference.py`)
 
-Two kernel families: "experts_gemv" (`experts_gemv.py`: per pair and per token, no routing
-prep; few tokens) and "experts_grouped" (`experts_gemm.py`: pairs sorted into per-expert
-blocks by `experts_routing`, two grouped GEMMs and a fixed-order combine). The first rule whose
-token range holds T runs, with its config. Every launch is asynchronous and needs no host
-synchronisation, so a call can be captured into a CUDA graph.
+Op "experts" of `dispatch.OPS`; its rules are `rules.EXPERTS_RULES` (M is the block's tokens T,
+each rule a tile config), run by the kernel file "experts_grouped" (`experts_gemm.py`: the pairs
+sorted into per-expert blocks by `experts_routing`, two grouped GEMMs and a fixed-order
+combine). Every launch is asynchronous and needs no host synchronisation, so a call can be
+captured into a CUDA graph.
+`dispatch.explain(..., op="experts")` says which rule a call takes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import experts_gemm, experts_gemv
+from .configs import ExpertsConfig
 from .device import interpreting
+from .dispatch import _call_key, _launch
 from .experts_reference import ExpertsEpilogue, ExpertsLayout
-from .experts_routing import expert_blocks
+from .operands import resolve_approx_tanh
 
+EXPERTS_KERNELS = ("experts_grouped",)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class ExpertsConfig:
-    """Tiles of the experts kernels.
-
-    Attributes:
-        block_m: pairs per block (grouped kernels; a multiple of 16 for tl.dot).
-        block_n, block_k: the gated kernel's tile along I and its step along K.
-        down_block_n, down_block_k: the down kernel's tile along K_out and its step along I.
-        group_m: blocks that walk the column tiles together (L2 reuse).
-        num_warps, num_stages: Triton's launch parameters.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    down_block_n: int
-    down_block_k: int
-    group_m: int = 8
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def short(self) -> str:
-        return (f"{self.block_m}x{self.block_n}x{self.block_k}, down {self.down_block_n}x{self.down_block_k}, "
-                f"g{self.group_m} w{self.num_warps} s{self.num_stages}")
-
-
-@dataclass(frozen=True)
-class ExpertsRule:
-    """Run `kernel` with `config` for calls of T tokens within `tokens` (inclusive; None: no bound)."""
-
-    kernel: str
-    config: ExpertsConfig
-    tokens: tuple[int | None, int | None] = (None, None)
-    why: str = ""
-
-
-EXPERTS_KERNELS = ("experts_gemv", "experts_grouped")
-EXPERTS_RULES: tuple[ExpertsRule, ...] = (
-    ExpertsRule("experts_gemv", ExpertsConfig(1, 32, 128, 32, 128, num_warps=4, num_stages=1), tokens=(None, 4),
-                why="few pairs: each expert hit about once; no routing prep, weights streamed once"),
-    ExpertsRule("experts_grouped", ExpertsConfig(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4),
-                tokens=(5, 256), why="few rows per expert: 16-row blocks"),
-    ExpertsRule("experts_grouped", ExpertsConfig(64, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3),
-                tokens=(257, None), why="prefill: 64-row blocks, 64x128 tiles"),
-)
-
-
-def choose_experts(tokens: int) -> ExpertsRule:
-    """The rule a call of `tokens` tokens takes."""
-    for rule in EXPERTS_RULES:
-        low, high = rule.tokens
-        if (low is None or tokens >= low) and (high is None or tokens <= high):
-            return rule
-    raise AssertionError("EXPERTS_RULES ends with a rule for every token count")  # unreachable
 
 
 def check_experts_operands(fn: str, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
@@ -139,8 +84,8 @@ def experts_forward(
         top_k_weights: [T, TOP_K] routing weights, any float dtype.
         gate_up, down, gate_up_bias, down_bias: the experts' weights in `layout`, x's dtype, any strides.
         epilogue: the gated math.
-        kernel: "auto" (the rule for T), or one of `EXPERTS_KERNELS`.
-        config: the kernel's tiles (None: the rule's, or the named kernel's first rule's).
+        kernel: "auto" (the planner's rule for T), or one of `EXPERTS_KERNELS` to force it.
+        config: the kernel's tiles (None: the rule's, or the named kernel's rule for T).
         approx_tanh: silu and gelu_tanh through `tanh.approx.f32` (None: on the GPU for 16-bit x).
         out: optional [T, K_out] output (x's dtype and device, any strides), every element written.
 
@@ -150,31 +95,19 @@ def experts_forward(
     Raises:
         ValueError, TypeError: operands the kernels cannot take (the message names the fix).
     """
-    check_experts_operands("experts_forward", x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                           layout)
+    fn = "experts_forward"
+    check_experts_operands(fn, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, layout)
     tokens = x.shape[0]
-    if kernel == "auto":
-        rule = choose_experts(tokens)
-    elif kernel in EXPERTS_KERNELS:
-        rule = next(r for r in EXPERTS_RULES if r.kernel == kernel)
-    else:
-        raise ValueError(f"experts_forward: kernel must be 'auto' or one of {EXPERTS_KERNELS}, got {kernel!r}")
-    config = config or rule.config
-    if approx_tanh is None:
-        approx_tanh = x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda and not interpreting()
-    epi = dict(epilogue.constexprs(), APPROX_TANH=approx_tanh)
     k_out = down.shape[2] if layout.transposed else down.shape[1]
     if out is None:
         out = x.new_empty((tokens, k_out))
     elif tuple(out.shape) != (tokens, k_out) or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(f"experts_forward: out must be [{tokens}, {k_out}] ({x.dtype} on {x.device}), got "
+        raise ValueError(f"{fn}: out must be [{tokens}, {k_out}] ({x.dtype} on {x.device}), got "
                          f"{list(out.shape)} ({out.dtype} on {out.device})")
     if tokens == 0:
         return out
-    if rule.kernel == "experts_gemv":
-        return experts_gemv.experts_gemv(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                                         epilogue=epi, layout=layout, config=config, out=out)
-    sorted_pairs, block_expert = expert_blocks(top_k_index, gate_up.shape[0], config.block_m)
-    return experts_gemm.experts_grouped(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                                        epilogue=epi, layout=layout, config=config, sorted_pairs=sorted_pairs,
-                                        block_expert=block_expert, out=out)
+    inter = (gate_up.shape[2] if layout.transposed else gate_up.shape[1]) // 2
+    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    extras = (layout, gate_up_bias is not None, top_k_index.shape[1])
+    return _launch(fn, "experts", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
+                   (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out), kernel, config)
