@@ -6,7 +6,10 @@ tests/distributed/tp_cuda_worker.py`, with OUT=folder for tp_cuda.json). Each ra
 GPU; it records the relative error of the TP model's logits against the single-GPU model's,
 unpatched and patched, greedy tokens of both, and whether unpatch restores the TP logits.
 """
-import json, os, time
+import json
+import os
+import time
+
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -24,7 +27,7 @@ if rank == 0 and not os.path.exists(path + "/config.json"):
     open(path + "/.done", "w").close()
 while not os.path.exists(path + "/.done"):
     time.sleep(0.2)
-from swiglu_patch import apply_fused_mlp, unpatch
+from swiglu_patch import apply_fused_mlp, unpatch  # noqa: E402 - after rank 0 wrote the checkpoint
 try:
     from transformers import DistributedConfig
     tp = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
@@ -44,7 +47,12 @@ with torch.inference_mode():
     g_fused = tp.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
     single_patched = apply_fused_mlp(single)
     fused_single = single(ids).logits.double()
-rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
 res["report"] = str(report).splitlines()[0]
 res["rel_tp_plain_vs_single"] = rel(plain, ref)
 res["rel_tp_fused_vs_single"] = rel(fused, ref)
