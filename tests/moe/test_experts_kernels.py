@@ -16,6 +16,7 @@ from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts import EXPERTS_KERNELS, experts_forward
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
 from swiglu_patch.kernels.experts_routing import capacity, expert_blocks, expert_blocks_torch
+from swiglu_patch.kernels.rules import EXPERTS_RULES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -169,3 +170,21 @@ def test_bad_operands_name_the_fix():
     if DEVICE == "cpu":
         with pytest.raises(TypeError, match="interpreter computes bfloat16"):
             experts_forward(x.bfloat16(), index, weights, w[0].bfloat16(), w[1].bfloat16(), EPILOGUES["silu"])
+
+
+@pytest.mark.parametrize("rule", EXPERTS_RULES, ids=lambda r: r.config.short())
+def test_every_rules_tile_against_float64(rule):
+    """Each rule's config, whatever T the planner gives it, on a call whose experts get 0 to 40 rows."""
+    dtype = torch.float16
+    for layout in LAYOUTS[:2]:
+        w = _weights(6, 72, 40, layout, True, dtype)
+        x = torch.randn(45, 72).to(DEVICE, dtype)
+        index, weights = _routing(45, 6, 2, "empty_expert")
+        gate_up, down, gb, db = w
+        f64 = lambda t: t.double()  # noqa: E731
+        ref = experts_reference(x.double(), index, weights.double(), f64(gate_up), f64(down), EPILOGUES["silu"],
+                                layout, f64(gb), f64(db))
+        torch_err = rel_err(experts_reference(x, index, weights, gate_up, down, EPILOGUES["silu"], layout, gb, db), ref)
+        out = experts_forward(x, index, weights, gate_up, down, EPILOGUES["silu"], layout, gb, db,
+                              kernel=rule.kernel, config=rule.config)
+        assert rel_err(out, ref) <= 2 * torch_err + EPS[dtype]
