@@ -144,16 +144,17 @@ def _cast_floating(model: torch.nn.Module, dtype: torch.dtype | dict) -> dict:
     """Cast every floating parameter and buffer to `dtype` (or back, given the dict this
     returned); returns {(module, kind, name): old dtype}. bf16/fp16 -> fp32 -> back is exact."""
     old, seen = {}, set()
-    for mod in model.modules():
-        for kind in ("_parameters", "_buffers"):
-            for name, t in getattr(mod, kind).items():
-                if t is None or not t.dtype.is_floating_point or id(t) in seen:
-                    continue  # tied weights (one tensor, two modules) are cast once
-                seen.add(id(t))
-                target = dtype.get((id(mod), kind, name), t.dtype) if isinstance(dtype, dict) else dtype
-                old[(id(mod), kind, name)] = t.dtype
-                if t.dtype != target:
-                    t.data = t.data.to(target)
+    with torch.inference_mode(False):  # under inference mode the cast copies would be inference tensors,
+        for mod in model.modules():    # which a later run outside it (lm-eval's no_grad) refuses to use
+            for kind in ("_parameters", "_buffers"):
+                for name, t in getattr(mod, kind).items():
+                    if t is None or not t.dtype.is_floating_point or id(t) in seen:
+                        continue  # tied weights (one tensor, two modules) are cast once
+                    seen.add(id(t))
+                    target = dtype.get((id(mod), kind, name), t.dtype) if isinstance(dtype, dict) else dtype
+                    old[(id(mod), kind, name)] = t.dtype
+                    if t.dtype != target:
+                        t.data = t.data.to(target)
     return old
 
 
@@ -229,7 +230,8 @@ def compare_tokens(
                 ref = _forward(model, ids, batch_size, bar)
             finally:
                 _cast_floating(model, old)
-        patcher.apply(model)
+        with torch.inference_mode(False):  # patch and unpatch make the weights later runs use: no inference tensors
+            patcher.apply(model)
         try:
             for k, b in enumerate(range(0, ids.shape[0], batch_size)):
                 batch = ids[b : b + batch_size]
@@ -249,7 +251,8 @@ def compare_tokens(
                     ref[k] = None
                 del fused, e, r
         finally:
-            patcher.restore(model)
+            with torch.inference_mode(False):
+                patcher.restore(model)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     bar.close()

@@ -113,7 +113,7 @@ def test_real_patch_agrees_and_leaves_model_as_it_was(tiny_dir, tmp_path, monkey
     assert row["answers"]["answers_same"] == row["n"] == 24
     assert row["answers"]["max_abs_loglik_diff"] < 1e-4  # fp32: rounding at most
     assert row["answers"]["reference_answers_same"] == 24 and "reference_s" in report["timing"]
-    assert [c["check"] for c in row["checks"]["checks"]] == ["accuracy", "answers", "logliks"]
+    assert [c["check"] for c in row["checks"]["checks"]] == ["accuracy", "accuracy", "answers", "logliks"]  # acc, acc_norm
     assert row["verdict"]["label"] == "no detectable difference"
     assert json.loads((tmp_path / "out" / "lm_eval_reference.json").read_text())["git_hash"] is not None
     assert not is_patched(model)
