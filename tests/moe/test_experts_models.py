@@ -105,10 +105,14 @@ class _Config:
 
 
 def test_experts_the_kernels_do_not_run_are_refused_with_the_reason():
+    no_gate = _experts_class()(_Config())
+    no_gate.has_gate = False  # the decorator's flag (set as transformers sets it)
     with pytest.raises(Refused, match="has_gate=False"):
-        experts_spec(_experts_class(has_gate=False)(_Config()))
+        experts_spec(no_gate)
+    post_norm = _experts_class()(_Config())
+    post_norm.has_post_expert_norm = True  # a flag older transformers versions do not take
     with pytest.raises(Refused, match="has_post_expert_norm=True"):
-        experts_spec(_experts_class(has_post_expert_norm=True)(_Config()))
+        experts_spec(post_norm)
     odd = _experts_class()
     odd._apply_gate = lambda self, gate_up: gate_up[..., :8] * gate_up[..., 8:]
     with pytest.raises(Refused, match="_apply_gate .* is not one the fused kernels"):
