@@ -42,10 +42,23 @@ _OTHER_GELU = {"gelu_tanh": "gelu", "gelu": "gelu_tanh"}
 def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """x (any float dtype) rounded to `bits` explicit mantissa bits, to nearest even, as float32."""
     x = x.float()
-    i = x.view(torch.int32)
     drop = 23 - bits
+    if drop <= 0:
+        return x
+    i = x.view(torch.int32)
     half = (1 << (drop - 1)) - 1 + ((i >> drop) & 1)  # round half to even
     return ((i + half) & ~((1 << drop) - 1)).view(torch.float32)
+
+
+def _gate_up_rows(intermediate: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed row of gate row i and of up row i (the layout of swiglu_patch's packed weight: blocks
+    of GATE_UP_BLOCK gate rows, then as many up rows)."""
+    from swiglu_patch import GATE_UP_BLOCK as G
+
+    i = torch.arange(intermediate)
+    width = torch.clamp(intermediate - (i // G) * G, max=G)
+    gate = 2 * G * (i // G) + i % G
+    return gate.to(device), (gate + width).to(device)
 
 
 def _rounded_epilogue(epilogue, bits: int):
@@ -78,8 +91,7 @@ class DefectPatcher(Patcher):
         self.name = f"defect:{defect}"
 
     def apply(self, model: torch.nn.Module) -> str:
-        from swiglu_patch.kernels.layout import gate_up_rows
-        from swiglu_patch.module import FusedGatedMLP
+        from swiglu_patch import FusedGatedMLP
 
         text = super().apply(model)
         fused = [m for m in model.modules() if isinstance(m, FusedGatedMLP)]
@@ -87,7 +99,7 @@ class DefectPatcher(Patcher):
         for k, m in enumerate(fused):
             w = m.gate_up_interleaved
             self._saved.append((m, w.detach().clone(), m.epilogue))
-            gate_rows, up_rows = gate_up_rows(w.shape[0] // 2, w.device)
+            gate_rows, up_rows = _gate_up_rows(w.shape[0] // 2, w.device)
             with torch.no_grad():
                 if d == "swap_gate_up":
                     g, u = w[gate_rows].clone(), w[up_rows].clone()
