@@ -3,9 +3,9 @@
 From the repository root:
 
     python -m benchmarks.accuracy_gemma3 --out benchmarks/results/cpu/accuracy_gemma3 \\
-        --limit 3000 --max-tokens 8192 --interpret-tokens 1024              # CPU (bf16), ~25 min
+        --limit 3000 --max-tokens 8192 --interpret-tokens 1024              # CPU (bf16), ~25 min*
     python -m benchmarks.accuracy_gemma3 --out benchmarks/results/h100/accuracy_gemma3 \\
-        --device cuda --batch-size 8 --text-batch-size 8 --max-tokens 262144 --limit 6000   # GPU, ~4 min
+        --device cuda --batch-size 8 --text-batch-size 8 --max-tokens 262144 --limit 6000   # GPU, ~4 min*
 
 Everything offline, each input prepared once under --work-dir (default ~/.cache/swiglu_patch):
 
@@ -19,8 +19,11 @@ Everything offline, each input prepared once under --work-dir (default ~/.cache/
 3. Jane Austen's novels from Debian's r-cran-janeaustenr (read with PyPI `rdata`), or
    --text FILE.
 
-Then one `run_eval` (model loaded once: token-level check, then lm-eval eager and fused),
-written to --out as report.json / report.md with the machine and commit. With
+Then one `run_eval` (model loaded once: token-level check, then lm-eval eager, the float32
+reference that is the verdicts' noise floor, and fused; --reference-dtype none skips the
+reference, as the runs recorded before the noise-floor verdicts did), written to --out as
+report.json / report.md with the machine and commit. (*) The times are those of the recorded
+runs, which had no reference run on the tasks; the reference adds a third lm-eval run. With
 --interpret-tokens N on a CPU, a second token-level check runs the Triton kernel itself
 under TRITON_INTERPRET=1 on the first N tokens (in a subprocess, since the interpreter is
 chosen when Triton compiles), written to --out/triton_interpret/.
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interpret-tokens", type=nonnegative_int, default=0,
                    help="CPU: also run the Triton kernel under TRITON_INTERPRET=1 on this many tokens")
     p.add_argument("--skip-tasks", action="store_true", help="token-level check only (no lm-eval needed)")
+    p.add_argument("--reference-dtype", default="auto", choices=["auto", "none", "float32", "float64"],
+                   help="the verdicts' noise floor: the unpatched model in this dtype, on the tasks and the text")
     args = p.parse_args(argv)
     os.environ.update(OFFLINE)
     try:
@@ -154,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tasks:
         batch = args.batch_size if args.batch_size.startswith("auto") else int(args.batch_size)
         tasks = TaskOptions(names=("leaderboard_mmlu_pro",), local_data=(f"leaderboard_mmlu_pro={data}",),
-                            limit=args.limit, batch_size=batch, num_fewshot=args.num_fewshot)
+                            limit=args.limit, batch_size=batch, num_fewshot=args.num_fewshot,
+                            reference_dtype=args.reference_dtype)
     config = EvalConfig(
         output_dir=args.out,
         load=LoadOptions(dtype=args.dtype, device=args.device, backend=args.backend),
         tasks=tasks,
-        text=TextOptions(path=str(text), window=args.window, max_tokens=args.max_tokens, batch_size=args.text_batch_size),
+        text=TextOptions(path=str(text), window=args.window, max_tokens=args.max_tokens, batch_size=args.text_batch_size,
+                         reference_dtype=args.reference_dtype),
     )
     report = run_eval(str(ckpt), config)
     if args.interpret_tokens and args.device == "cpu":
