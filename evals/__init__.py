@@ -2,9 +2,14 @@
 still answer the same once its MLPs are fused?
 
 - `run_eval(model, EvalConfig(...))`: the whole ``swiglu-patch eval`` as a function: lm-eval
-  tasks eager vs fused, paired per question (McNemar, flips, log-likelihood changes,
-  detectable differences), plus token-level agreement on text; writes report.json and
-  report.md. `EvalConfig` groups `LoadOptions`, `TaskOptions`, `TextOptions`, `Thresholds`.
+  tasks eager, reference and fused, paired per question (McNemar, answers and log-likelihood
+  shifts against the reference's noise floor, detectable differences), plus token-level
+  agreement on text; writes report.json and report.md. `EvalConfig` groups `LoadOptions`,
+  `TaskOptions`, `TextOptions`, `Thresholds`.
+- ``swiglu_patch.evals.verdicts``: the verdicts as plain functions over per-question and
+  per-token numbers (`question_checks`, `token_check`), for any pairwise comparison.
+- ``swiglu_patch.evals.defects`` / ``python -m swiglu_patch.evals.power``: planted defects and
+  the table of which verdict sees which (the real-model extra's Gemma 3 270M).
 - `prepare_tasks` / `compare_on_tasks`: the lm-eval part alone, on a loaded model.
 - `make_windows` / `compare_tokens`: the token-level part alone.
 - `Patcher`: how the fused model is made (default: `apply_fused_mlp`); `IdentityPatcher`

@@ -44,3 +44,12 @@ def test_round_mantissa():
     x = torch.tensor([1.0, 1.0 + 2**-4, 1.0 + 3 * 2**-5, -3.3, 0.0])
     assert round_mantissa(x, 3).tolist() == [1.0, 1.0, 1.125, -3.25, 0.0]  # ties to even; -3.3 = -1.65 * 2
     assert torch.equal(round_mantissa(x, 23), x)
+
+
+def test_power_command_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    from swiglu_patch.evals.power import main
+
+    assert main(["--out", str(tmp_path / "out"), "--fixture", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err.strip().split("\n")
+    assert len(err) == 1 and err[0].startswith("python -m swiglu_patch.evals.power: error:") and "missing.json" in err[0]
+    assert not (tmp_path / "out").exists()
