@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="token verdict without a reference: largest mean KL, nats/token (default 1e-4)")
     g.add_argument("--ratio-max", type=_ratio, default=1.2,
                    help="token verdict: largest mean KL(ref||fused) / mean KL(ref||eager) (default 1.2)")
-    g.add_argument("--tail-ratio", type=_ratio, default=3.0,
-                   help="token verdict: largest p99 and max of KL(eager||fused) over those of KL(ref||eager) (default 3)")
+    g.add_argument("--tail-ratio", type=_ratio, default=4.0,
+                   help="token verdict: largest p99 and max of KL(eager||fused) over those of KL(ref||eager) (default 4)")
     g.add_argument("--answer-ratio", type=_ratio, default=1.25,
                    help="per question: how many times eager's departures from the reference answers fused may have "
                         "(default 1.25)")

@@ -171,7 +171,7 @@ class Thresholds:
     top1_min: float = 0.999
     kl_max: float = 1e-4
     ratio_max: float = 1.2
-    tail_ratio: float = 3.0
+    tail_ratio: float = 4.0
     answer_ratio: float = 1.25
     loglik_ratio: float = 2.0
     change_max: float = 0.05

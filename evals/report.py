@@ -85,7 +85,7 @@ def task_verdict(row: dict, alpha: float = 0.05) -> dict:
 
 
 def token_verdict(tok: dict, top1_min: float = 0.999, kl_max: float = 1e-4, ratio_max: float = 1.2,
-                  tail_ratio: float = 3.0) -> dict:
+                  tail_ratio: float = 4.0) -> dict:
     """{label, line, rule, flagged, ratios, detectable} for the token-level statistics (`verdicts.token_check`)."""
     ref = tok.get("reference")
     v = token_check(tok, ref["eager"] if ref else None, ref["fused"] if ref else None, mean_ratio=ratio_max,

@@ -205,7 +205,7 @@ def question_checks(*, alpha: float, eager: Sequence, fused: Sequence, reference
 
 
 def token_check(fused_vs_eager: dict, noise: dict | None = None, fused_vs_reference: dict | None = None, *,
-                mean_ratio: float = 1.2, tail_ratio: float = 3.0, top1_min: float = 0.999,
+                mean_ratio: float = 1.2, tail_ratio: float = 4.0, top1_min: float = 0.999,
                 kl_max: float = 1e-4) -> dict:
     """The token verdict from KL statistics (dicts with kl_mean, kl_p99, kl_max; see `kl_stats`).
 
