@@ -61,7 +61,7 @@ def score_questions(model, prompts: list[torch.Tensor], choice_ids: list[int]) -
     """Multiple choice with one-token answers: log p(choice | prompt) for each choice.
 
     Args:
-        model: a causal LM.
+        model: a transformers causal LM (it computes the last position's logits only: logits_to_keep=1).
         prompts: one int64 [L] tensor of token ids per question.
         choice_ids: the answers' token ids.
 
@@ -70,7 +70,7 @@ def score_questions(model, prompts: list[torch.Tensor], choice_ids: list[int]) -
     """
     answers, logliks = [], []
     for p in prompts:
-        logits = model(input_ids=p[None]).logits[0, -1].double()
+        logits = model(input_ids=p[None], logits_to_keep=1).logits[0, -1].double()
         ll = torch.log_softmax(logits, -1)[choice_ids].tolist()
         logliks.append(ll)
         answers.append(max(range(len(ll)), key=ll.__getitem__))
