@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         del module
         if not dry:
             torch.cuda.empty_cache()
-    return {"kind": "moe", "schema": SCHEMA, "environment": environment(args.commit), "dtype": str(dtype),
+    return {"kind": "moe", "schema": SCHEMA, "environment": environment(device, args.commit), "dtype": str(dtype),
             "matmul_peak_tflops": peak / 1e12, "timer": None if dry else timer.describe(),
             "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
 
@@ -286,30 +286,33 @@ def _line(row: dict) -> str:
     return f"{row['shape']} {row['routing']} T={row['tokens']}: us {us} | floor {row.get('floor_us', 0):.1f} | err {err} | host {host}"
 
 
+def _cell(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def render_markdown(data: dict) -> str:
     env = data["environment"]
+    gpu, versions = env.get("gpu") or {}, env.get("versions") or {}
     lines = ["# MoE experts block", "",
-             f"GPU: {env.get('gpu')}; torch {env.get('torch')}, triton {env.get('triton')}, transformers "
-             f"{env.get('transformers')}; {data['dtype']}; commit {env.get('commit')}.",
-             f"Timer: {data.get('timer')}. Matmul peak measured: {data['matmul_peak_tflops']:.0f} TFLOP/s.", "",
-             "Microseconds per experts block (median); best other = the fastest of transformers' ways and Liger; "
-             "err = relative error against float64.", "",
+             f"GPU: {gpu.get('name')}; torch {versions.get('torch')}, triton {versions.get('triton')}, transformers "
+             f"{versions.get('transformers')}, liger-kernel {versions.get('liger-kernel')}; {data['dtype']}; commit "
+             f"{(env.get('git') or {}).get('commit')}.",
+             f"Timer: {data.get('timer')}. Matmul peak measured in the run: {data['matmul_peak_tflops']:.0f} TFLOP/s.", "",
+             "Microseconds per experts block (median). best other: the fastest of transformers' ways and Liger. "
+             "err: relative error against float64. host: microseconds of host time per call from an idle GPU.", "",
              "| shape | routing | T | floor | ours | grouped_mm | batched_mm | eager | liger | ours / floor | "
-             "best other / ours | err ours | err grouped_mm | host us ours / batched_mm |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "best other / ours | err ours | err grouped_mm | host ours | host batched_mm |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
-        us = r["us"]
-        others = [v for k, v in us.items() if k != "ours" and v is not None]
-        cell = lambda k: f"{us[k]:.1f}" if us.get(k) is not None else "-"  # noqa: E731
-        ours = us.get("ours")
-        host = r.get("host_us", {})
-        lines.append(
-            f"| {r['shape']} | {r['routing']} | {r['tokens']} | {r.get('floor_us', 0):.1f} | " +
-            " | ".join(cell(k) for k in WAYS) +
-            f" | {ours / r['floor_us']:.2f} | {min(others) / ours:.2f} | " if ours and others and r.get("floor_us")
-            else f"| {r['shape']} | {r['routing']} | {r['tokens']} | - | " + " | ".join(cell(k) for k in WAYS) + " | - | - | ")
-        lines[-1] += (f"{r['errors'].get('ours', math.nan):.1e} | {r['errors'].get('grouped_mm', math.nan):.1e} | "
-                      f"{host.get('ours', math.nan):.0f} / {host.get('batched_mm', math.nan):.0f} |")
+        us, host, err = r["us"], r.get("host_us", {}), r["errors"]
+        ours, floor = us.get("ours"), r.get("floor_us")
+        others = [v for k, v in us.items() if k in WAYS and k != "ours" and v is not None]
+        ratio_floor = f"{ours / floor:.2f}" if ours and floor else "-"
+        ratio_best = f"{min(others) / ours:.2f}" if ours and others else "-"
+        lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {_cell(floor)} | "
+                     + " | ".join(_cell(us.get(k)) for k in WAYS)
+                     + f" | {ratio_floor} | {ratio_best} | {err.get('ours', math.nan):.1e} | "
+                     f"{err.get('grouped_mm', math.nan):.1e} | {_cell(host.get('ours'))} | {_cell(host.get('batched_mm'))} |")
     return "\n".join(lines) + "\n"
 
 
