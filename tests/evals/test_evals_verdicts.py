@@ -127,3 +127,27 @@ def test_token_check_identical_and_without_reference():
     bad = token_check(_stats(1e-3, 1e-2, 1e-1, top1_agreement=0.99))
     assert bad["flagged"] == ["top-1", "mean KL"]
     assert math.isinf(token_check(_stats(1e-3, 1e-2, 1e-1), _stats(0.0, 0.0, 0.0), _stats(1e-3, 1e-2, 1e-1))["ratios"]["mean"])
+
+
+def test_report_lines_say_too_few_questions_and_zero_within_rounding():
+    from swiglu_patch.evals.pairing import pair_records, records_by_filter
+    from swiglu_patch.evals.report import task_verdict, token_verdict
+
+    def sample(doc_id, lls, target):
+        return {"doc_id": doc_id, "prompt_hash": str(doc_id), "filter": "none", "metrics": ["acc"],
+                "filtered_resps": [(x, False) for x in lls], "acc": float(int(np.argmax(lls)) == target)}
+
+    recs = records_by_filter([sample(i, [-1.0, -2.0], i % 2) for i in range(5)], "multiple_choice")["none"]
+    answers = pair_records("t", recs, recs)
+    paired, checks = answers.pop("paired"), answers.pop("checks")
+    acc = sum(r.metrics["acc"] for r in recs.values()) / 5
+    row = {"task": "t", "filter": "none", "kind": "task", "n": 5, "answers": answers, "checks": checks,
+           "metrics": {"acc": {"eager": acc, "fused": acc, "diff": 0.0, "mdd_unpaired": mdd_unpaired(acc, 5),
+                               "paired": paired["acc"]}}}
+    line = task_verdict(row)["line"]
+    assert "too few questions to detect a difference" in line and "pts paired" not in line
+    tok = {"positions": 1024, "windows": 1, "window": 1024, "kl_mean": -3.4e-9, "kl_p99": 1e-8, "kl_max": 2e-8,
+           "top1_agreement": 1.0, "top1_disagreements": 0, "max_abs_logit_diff": 1e-4, "ppl_eager": 19.551,
+           "ppl_fused": 19.551, "ppl_rel_diff": 0.0, "reference": None}
+    v = token_verdict(tok)
+    assert v["label"] == "agrees" and "mean KL(eager||fused) 0 (within rounding: -3.4e-09) nats" in v["line"]
