@@ -26,7 +26,7 @@ from .preflight import preflight
 from .report import task_verdict, terminal_summary, to_markdown, token_verdict, write_json
 from .token_agreement import compare_tokens, load_text, make_windows
 
-REPORT_SCHEMA = "swiglu-patch/accuracy-report/2"
+REPORT_SCHEMA = "swiglu-patch/accuracy-report/3"  # 3: each row carries its checks (verdicts.py)
 
 
 @dataclass
