@@ -13,6 +13,7 @@ a verdict that goes blind to a defect it saw, or starts flagging the clean patch
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from swiglu_patch.evals.power import FIXTURE, load_fixture, measure, remap, text
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
-ROOT = FIXTURE if FIXTURE.is_absolute() else __import__("pathlib").Path(__file__).resolve().parents[2] / FIXTURE
+ROOT = Path(__file__).resolve().parents[2] / FIXTURE  # the fixture, wherever pytest runs from
 
 # defect -> (per-question verdict flags it, token verdict flags it), at 50 questions and 1,024 tokens.
 # Not flagged: a 1% gate error in one layer of 18, and the erf GELU for the tanh one (they move
