@@ -221,9 +221,10 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     """The `ExpertsInterface` function registered as `IMPLEMENTATION`: hidden_states [T, K],
     top_k_index and top_k_weights [T, top_k] -> [T, K], in hidden_states' dtype.
 
-    On CUDA (or with backend "triton") the fused kernels run; on CPU, and where autograd needs a
-    gradient (the kernels have no backward yet), `experts_reference`, which is exact and
-    differentiable. A module set by `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
+    On CUDA (or with backend "triton") the fused kernels run; on CPU `experts_reference`. Where
+    autograd needs a gradient (the fused experts have no backward yet) the implementation the
+    module's config had before (`_training_forward`) runs instead. A module set by
+    `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
 
     Raises:
         ValueError: the module's math is not one the fused kernels run (`experts_spec`).
@@ -236,7 +237,9 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     backend = module.__dict__.get("_swiglu_backend", "auto")
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
-    if backend == "torch" or needs_grad or (backend == "auto" and not hidden_states.is_cuda):
+    if needs_grad:  # training: transformers' own implementation, which has a backward
+        return _training_forward(module)(module, hidden_states, top_k_index, top_k_weights)
+    if backend == "torch" or (backend == "auto" and not hidden_states.is_cuda):
         return experts_reference(hidden_states, top_k_index, top_k_weights, gate_up, down, spec.epilogue, spec.layout,
                                  gate_up_bias, down_bias)
     epilogue, layout = spec.epilogue, spec.layout
@@ -246,6 +249,17 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
                               layout.concatenated)
     return ops.experts_kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue,
                                                  layout, gate_up_bias, down_bias)
+
+
+def _training_forward(module: nn.Module):
+    """transformers' experts forward the module ran before it was switched ("grouped_mm" when it
+    was loaded on ours), for calls that need a gradient."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    previous = module.__dict__.get(_PREVIOUS) or "grouped_mm"
+    if previous == IMPLEMENTATION:
+        previous = "grouped_mm"
+    return ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(module).forward.__wrapped__)
 
 
 def register_implementation() -> None:

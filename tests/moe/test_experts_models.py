@@ -141,3 +141,21 @@ def test_a_wrong_reading_of_a_class_is_caught_by_the_probe(monkeypatch):
     assert not is_patched(model)
     report = apply_fused_mlp(model, strict=False)
     assert not report.experts and any(n.module_class == "GptOssExperts" for n in report.not_patched)
+
+
+def test_a_training_step_on_a_patched_moe_model_matches_the_unpatched_one():
+    """Where autograd needs a gradient the experts run transformers' own implementation: loss and every
+    gradient (experts and router included) as without the patch."""
+    ids = torch.randint(3, 100, (2, 9))
+    grads = []
+    for patched in (False, True):
+        model = build("qwen3_moe").model.train()
+        if patched:
+            apply_fused_mlp(model)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss0, g0), (loss1, g1) = grads
+    assert torch.allclose(loss0, loss1, rtol=1e-6)
+    assert g0.keys() == g1.keys() and any("experts" in n for n in g0) and any("gate.weight" in n for n in g0)
+    assert all(torch.allclose(g0[n], g1[n], rtol=1e-5, atol=1e-7) for n in g0)
