@@ -108,12 +108,14 @@ def _module_inputs(k: int, seed: int):
 
 
 def _experts_inputs(module, seed: int):
-    """[(x [T, K], top_k_index [T, 2], top_k_weights [T, 2]) at each scale] for an experts module."""
+    """[(x [T, K], top_k_index [T, k], top_k_weights [T, k]) at each scale] for an experts module (k = 2, or
+    1 where the module has one expert)."""
     gen = torch.Generator().manual_seed(seed)
     e = module.gate_up_proj.shape[0]
     k = module.gate_up_proj.shape[1 if getattr(module, "is_transposed", False) else 2]
-    index = torch.stack([torch.randperm(e, generator=gen)[:2] for _ in range(10)])
-    weights = torch.rand(10, 2, generator=gen)
+    top_k = min(2, e)
+    index = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(10)])
+    weights = torch.rand(10, top_k, generator=gen)
     return [(torch.randn(10, k, generator=gen) * s, index, weights) for s in SCALES]
 
 
