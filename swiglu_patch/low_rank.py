@@ -198,8 +198,8 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
         if operands is None:
             raise TypeError(
                 f"FusedGatedMLP: a packed projection is wrapped by {type(w).__module__}.{type(w).__name__}, which "
-                "the fused GEMM cannot run; LoRA layers over it come from swiglu_patch.lora (register the "
-                "LoraConfig with swiglu_patch.lora.register(config))"
+                "the fused GEMM cannot run; LoRA layers over it come from swiglu_patch.lora (get_peft_model on "
+                "the patched model makes them)"
             )
         adapters += operands(x)
     if not adapters:

@@ -331,9 +331,8 @@ class PackedProjection(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.half} rows of the FusedGatedMLP's gate_up_interleaved, in_features={self.in_features}, "
-            f"out_features={self.out_features}; no weight of its own. For LoRA on it, pass the LoraConfig "
-            "through swiglu_patch.lora.register(config) before get_peft_model, or call get_peft_model before "
-            "apply_fused_mlp"
+            f"out_features={self.out_features}; no weight of its own. PEFT's get_peft_model wraps it with "
+            "swiglu_patch.lora.PackedLoraLinear, in either order"
         )
 
 

@@ -89,6 +89,5 @@ class PatchReport:
             lines.append(f"  not patched: {cls} ({where}): {reason}")
         if self.trainable and self.training:
             lines.append("  the patched weights require grad: build the optimizer after patching (gate_up_interleaved "
-                         "replaces gate/up parameters); for PEFT LoRA on gate/up, pass the LoraConfig through "
-                         "swiglu_patch.lora.register(config)")
+                         "replaces gate/up parameters)")
         return "\n".join(lines)
