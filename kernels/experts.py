@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .configs import ExpertsConfig
+from .configs import ALL_DTYPES, ExpertsConfig
 from .device import interpreting
 from .dispatch import _call_key, _launch
 from .experts_reference import ExpertsEpilogue, ExpertsLayout
-from .operands import resolve_approx_tanh
+from .operands import BF16_INTERPRETER, resolve_approx_tanh
 
 EXPERTS_KERNELS = ("experts_grouped",)
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_experts_operands(fn: str, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
@@ -44,7 +43,7 @@ def check_experts_operands(fn: str, x, top_k_index, top_k_weights, gate_up, down
     if tuple(top_k_weights.shape) != tuple(top_k_index.shape) or not top_k_weights.dtype.is_floating_point:
         raise ValueError(f"{fn}: top_k_weights must be floating-point {tuple(top_k_index.shape)} like top_k_index, "
                          f"got {tuple(top_k_weights.shape)} {top_k_weights.dtype}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in ALL_DTYPES:
         raise TypeError(f"{fn}: the Triton kernels take bfloat16, float16 or float32, got {x.dtype}; cast the "
                         "model, or use backend='torch'")
     for name, t in (("gate_up", gate_up), ("down", down), ("gate_up_bias", gate_up_bias), ("down_bias", down_bias)):
@@ -57,8 +56,7 @@ def check_experts_operands(fn: str, x, top_k_index, top_k_weights, gate_up, down
     if top_k_index.device != x.device or top_k_weights.device != x.device:
         raise TypeError(f"{fn}: the routing tensors must be on x's device ({x.device})")
     if x.dtype == torch.bfloat16 and not x.is_cuda and interpreting():
-        raise TypeError(f"{fn}: Triton's CPU interpreter computes bfloat16 matrix products wrongly; run bf16 on "
-                        "the GPU, use float16/float32 with TRITON_INTERPRET=1, or use backend='torch'")
+        raise TypeError(f"{fn}: {BF16_INTERPRETER}")
 
 
 def experts_forward(
