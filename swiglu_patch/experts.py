@@ -239,7 +239,11 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
         t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
     if needs_grad:  # training: transformers' own implementation, which has a backward
         return _training_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-    if backend == "torch" or (backend == "auto" and not hidden_states.is_cuda):
+    if backend == "auto":
+        backend = "triton" if hidden_states.is_cuda else "torch"
+    elif backend == "triton":
+        ops.resolve_backend(backend, hidden_states.device, "fused experts")  # names the fix off CUDA
+    if backend == "torch":
         return experts_reference(hidden_states, top_k_index, top_k_weights, gate_up, down, spec.epilogue, spec.layout,
                                  gate_up_bias, down_bias)
     epilogue, layout = spec.epilogue, spec.layout
