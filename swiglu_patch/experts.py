@@ -80,6 +80,7 @@ KNOWN_GATES: dict[str, Callable[[nn.Module], ExpertsEpilogue]] = {
     "transformers.models.glm5_next.modeling_glm5_next.Glm5NextTextExperts._apply_gate":
         _clamped("swiglu_limit", "gate"),
     "transformers.models.hy_v4.modeling_hy_v4.HYV4Experts._apply_gate": _clamped("swiglu_limit", "gate"),
+    "transformers.models.hy_v4_vl.modeling_hy_v4_vl.HYV4VLExperts._apply_gate": _clamped("swiglu_limit", "gate"),
     "transformers.models.step3p7.modeling_step3p7.Step3p7Experts._apply_gate": _clamped("limit", "activation"),
 }
 
@@ -103,8 +104,13 @@ def is_experts_class(module: nn.Module) -> bool:
         return False
 
 
+# Activation functions (not modules) an experts class may keep in `act_fn` (LFM2-MoE: F.silu).
+_ACTIVATION_FUNCTIONS = {torch.nn.functional.silu: "silu"}
+
+
 def _activation(module: nn.Module) -> str:
-    act = activation_of_module(module.act_fn)
+    act = _ACTIVATION_FUNCTIONS.get(module.act_fn) if not isinstance(module.act_fn, nn.Module) else None
+    act = act or activation_of_module(module.act_fn)
     if act is None:
         raise Refused(f"its act_fn ({type(module.act_fn).__name__}) is not an activation the fused kernels compute "
                       "(silu, gelu_tanh, gelu)")
