@@ -1,9 +1,10 @@
 """Planted defects: the fused MLP made wrong on purpose, to measure what the verdicts can see.
 
-`DefectPatcher(name)` is a `Patcher`: it applies the real patch (backend "torch", the PyTorch
-path of the packed layout), then breaks the fused modules' math in one way, and undoes both on
-`restore`. The probe at patch time sees the correct class, as it would with a kernel bug that
-only shows on the GPU. `DEFECTS` lists them, mildest last:
+`DefectPatcher(name, backend=...)` is a `Patcher`: it applies the real patch (backend "torch",
+the PyTorch path of the packed layout, by default; "triton" or "auto" for the Triton kernels),
+then breaks the fused modules' math in one way, and undoes both on `restore`. The probe at
+patch time sees the correct class, as it would with a kernel bug that only shows on the GPU.
+`DEFECTS` lists them, mildest last:
 
 - ``swap_gate_up``: gate and up rows exchanged in every layer (act(up) * gate);
 - ``zero_16`` / ``zero_1``: 16 / 1 of the I channels (the same ones in every layer, chosen with
@@ -14,6 +15,11 @@ only shows on the GPU. `DEFECTS` lists them, mildest last:
   for a silu model;
 - ``preact_e4m3``: an extra rounding of the gate and up pre-activations to a 3-bit mantissa
   (float8 e4m3's precision, the range kept), before the activation.
+
+On the Triton kernels each defect reaches the kernel itself: swapped and zeroed rows are in the
+packed weight it reads, and the gate scale and the activation are compile-time constants of its
+epilogue (`GatedEpilogue.constexprs`), so a planted epilogue compiles a planted kernel.
+``preact_e4m3`` has no kernel form (the kernel rounds only its output) and is refused there.
 
 Nothing here changes the model's own weights: `restore` puts back the packed weight and the
 epilogue, then unpatches, so the original modules return bit for bit.
@@ -37,6 +43,11 @@ DEFECTS = {
     "preact_e4m3": "pre-activation rounded to 3 mantissa bits",
 }
 _OTHER_GELU = {"gelu_tanh": "gelu", "gelu": "gelu_tanh"}
+# defects the Triton kernels cannot carry, and the refusal
+KERNEL_LESS = {
+    "preact_e4m3": "DefectPatcher: preact_e4m3 has no Triton kernel form (the kernel rounds only its output, "
+                   "and its epilogue's constants hold no extra rounding); plant it with backend='torch'",
+}
 
 
 def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -78,24 +89,34 @@ class DefectPatcher(Patcher):
     Args:
         defect: a key of `DEFECTS`.
         seed: chooses the zeroed channels.
+        backend: the patch's backend: "torch" (the PyTorch path), "triton" (the Triton kernels;
+            on CPU under TRITON_INTERPRET=1) or "auto" (Triton on CUDA, PyTorch elsewhere).
 
     Raises:
-        ValueError: an unknown defect, or one that does not apply to the model (apply time).
+        ValueError: an unknown defect, one with no form on the backend (``preact_e4m3`` on the
+            Triton kernels: at construction for "triton", at apply time for "auto" on CUDA), or
+            one that does not apply to the model (apply time).
     """
 
-    def __init__(self, defect: str, seed: int = 0):
+    def __init__(self, defect: str, seed: int = 0, backend: str = "torch"):
         if defect not in DEFECTS:
             raise ValueError(f"DefectPatcher: unknown defect {defect!r}; known: {', '.join(DEFECTS)}")
-        super().__init__(backend="torch")
+        if backend not in ("torch", "triton", "auto"):
+            raise ValueError(f"DefectPatcher: backend must be 'torch', 'triton' or 'auto', got {backend!r}")
+        if backend == "triton" and defect in KERNEL_LESS:
+            raise ValueError(KERNEL_LESS[defect])
+        super().__init__(backend=backend)
         self.defect, self.seed, self._saved = defect, seed, []
         self.name = f"defect:{defect}"
 
     def apply(self, model: torch.nn.Module) -> str:
         from swiglu_patch import FusedGatedMLP
 
+        d = self.defect
+        if d in KERNEL_LESS and self.backend == "auto" and next(model.parameters()).device.type == "cuda":
+            raise ValueError(KERNEL_LESS[d] + " (backend 'auto' runs the Triton kernels on CUDA)")
         text = super().apply(model)
         fused = [m for m in model.modules() if isinstance(m, FusedGatedMLP)]
-        d = self.defect
         for k, m in enumerate(fused):
             w = m.gate_up_interleaved
             self._saved.append((m, w.detach().clone(), m.epilogue))
