@@ -9,7 +9,8 @@ of one expert walk its weight tiles together while they sit in L2:
   by index in the load (no permuted copy of x); two fp32 accumulators [BLOCK_M, BLOCK_N] run
   over K against e's gate and up columns, or, for interleaved pairs, one [BLOCK_M, 2 * BLOCK_N] accumulator over contiguous
   columns that is split into gate and up after the loop; bias, the epilogue in fp32, and
-  h[p] [S, I] stored once in x's dtype.
+  h[p] [S, I] stored once in x's dtype; with STORE_PREACT (training's store mode) also the
+  pre-activation [S, 2I] (bias added, in the model's gate/up column order) at row p.
 - `_experts_down_gemm_kernel`: the same blocks; h[p] rows gathered; y[p] = w_p *
   (h[p] @ Wd[e]^T + bd[e]) in fp32, stored [S, K_out] in x's dtype at row p;
 - `_experts_combine_kernel`: out[t] = sum_j y[t * TOP_K + j] over the slots in order, in fp32,
@@ -41,13 +42,13 @@ from .launcher import FastLaunch
 
 @triton.jit
 def _experts_gated_gemm_kernel(
-    x_ptr, pairs_ptr, blocks_ptr, w_ptr, b_ptr, h_ptr,
+    x_ptr, pairs_ptr, blocks_ptr, w_ptr, b_ptr, h_ptr, p_ptr,
     NUM_PAIRS, NUM_BLOCKS, K, I, UP_SHIFT, NUM_EXPERTS,
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
-    stride_hm,
-    TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_hm, stride_pm,
+    TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -83,6 +84,9 @@ def _experts_gated_gemm_kernel(
                 b_pair = tl.load(b_ptr + expert.to(tl.int64) * stride_be + pair_cols * stride_bn, mask=mask_pair,
                                  other=0.0).to(tl.float32)
                 acc += b_pair[None, :]
+            if STORE_PREACT:  # the pre-activation row of each pair, in the model's column order
+                tl.store(p_ptr + pairs.to(tl.int64)[:, None] * stride_pm + pair_cols[None, :],
+                         acc.to(p_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_pair[None, :])
             acc_gate, acc_up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         else:
             wg_ptrs = w_base + gate_cols[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
@@ -106,6 +110,11 @@ def _experts_gated_gemm_kernel(
                 acc_gate += tl.load(b_base + gate_cols * stride_bn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
                 acc_up += tl.load(b_base + (gate_cols + UP_SHIFT) * stride_bn, mask=mask_n,
                                   other=0.0).to(tl.float32)[None, :]
+            if STORE_PREACT:  # the pre-activation row of each pair, in the model's column order
+                p_ptrs = p_ptr + pairs.to(tl.int64)[:, None] * stride_pm + gate_cols[None, :]  # [BLOCK_M, BLOCK_N]
+                p_mask = mask_m[:, None] & mask_n[None, :]
+                tl.store(p_ptrs, acc_gate.to(p_ptr.dtype.element_ty), mask=p_mask)
+                tl.store(p_ptrs + UP_SHIFT, acc_up.to(p_ptr.dtype.element_ty), mask=p_mask)
         h = experts_epilogue(acc_gate, acc_up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA)
         h_ptrs = h_ptr + pairs.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
         tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -194,7 +203,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-CAPABILITY = KernelCapability("experts_grouped", ops=("experts",))
+CAPABILITY = KernelCapability("experts_grouped", ops=("experts",), features=frozenset({"store_preact"}))
 
 
 def can_run(*tensors) -> bool:
@@ -202,24 +211,28 @@ def can_run(*tensors) -> bool:
     return True
 
 
-def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
+def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int,
+                  store_preact: bool = False):
     """A launcher `(x [T, K], top_k_index [T, TOP_K], top_k_weights [T, TOP_K], gate_up, down,
-    gate_up_bias or None, down_bias or None, out [T, K_out]) -> out` for one (config, epilogue
-    constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K): the routing prep
-    (`experts_routing.expert_blocks`), both grouped GEMMs and the combine. Arguments are checked
-    by the caller (`experts.experts_forward`)."""
+    gate_up_bias or None, down_bias or None, out [T, K_out], preact [S, 2I] or None) -> out` for one
+    (config, epilogue constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K, store_preact): the
+    routing prep (`experts_routing.expert_blocks`), both grouped GEMMs and the combine; with
+    store_preact the gated GEMM also writes each pair's pre-activation (bias added, before the
+    epilogue, rounded once to x's dtype) into preact's row p, in the model's gate/up column order
+    (rows of sentinel pairs are not written). Arguments are checked by the caller
+    (`experts.experts_forward`, `experts_backward.experts_forward_with_preact`)."""
     step = 1 if layout.concatenated else 2
     tiles = dict(BLOCK_M=config.block_m, GROUP_M=config.group_m, num_warps=config.num_warps,
                  num_stages=config.num_stages)
     gated = {precision: FastLaunch(_experts_gated_gemm_kernel, dict(
-        TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue, INPUT_PRECISION=precision,
+        TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, INPUT_PRECISION=precision,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, **tiles)) for precision in ("tf32", "ieee")}
     down_kernel = {precision: FastLaunch(_experts_down_gemm_kernel, dict(
         TOP_K=top_k, HAS_BIAS=has_bias, INPUT_PRECISION=precision, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, **tiles)) for precision in ("tf32", "ieee")}
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
-    def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out):
+    def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact=None):
         t, k = x.shape
         num_pairs, num_experts = t * top_k, gate_up.shape[0]
         inter = gate_up.shape[1 + layout.transposed] >> 1
@@ -232,10 +245,11 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
         bias = gate_up if gate_up_bias is None else gate_up_bias  # not read without HAS_BIAS
         dbias = down if down_bias is None else down_bias
         device = x.get_device()
+        p = h if preact is None else preact  # not written without STORE_PREACT
         gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
-                         x, sorted_pairs, block_expert, gate_up, bias, h,
+                         x, sorted_pairs, block_expert, gate_up, bias, h, p,
                          num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, *x.stride(),
-                         *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0))
+                         *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0), p.stride(0))
         down_kernel[precision](num_blocks * ceil_div(k_out, config.down_block_n), device,
                                h, sorted_pairs, block_expert, top_k_weights, down, dbias, y,
                                num_pairs, num_blocks, k_out, inter, num_experts, h.stride(0), *top_k_weights.stride(),

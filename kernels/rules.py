@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .configs import ExpertsConfig as EC
+from .experts_backward_config import ExpertsBackwardConfig as EBC
 from .configs import GatedGemmConfig as C
 
 KERNELS = ("gemv", "pointer", "grid", "tma")
@@ -192,6 +193,19 @@ EXPERTS_RULES: tuple[Rule, ...] = (
          sweep=MOE, why="prefill: 128x128 tiles of both GEMMs; 1.004x the best at T = 1024-4096"),
 )
 
+# -- the MoE experts block's backward (`experts_backward.experts_backward`, kernel file
+# `experts_backward_gemm.py`): M is the block's tokens T; the configs are
+# `experts_backward_config.ExpertsBackwardConfig` (the pairs' block, then the dH, dX and weight-gradient tiles).
+EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
+    Rule("experts_backward_grouped", EBC(16, 64, 64, 64, 64, 64, 64, group_m=8, num_warps=4, num_stages=3),
+         m=(None, 64), why="few rows per expert: 16-row blocks, as the forward's rule; not yet timed"),
+    Rule("experts_backward_grouped", EBC(64, 64, 64, 128, 64, 64, 64, group_m=8, num_warps=4, num_stages=3),
+         m=(65, 512), why="tens of rows per expert: 64-row blocks, as the forward's rule; not yet timed"),
+    Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
+         m=(513, None), why="training batches: 128-row blocks, a 128x64 dH tile (its epilogue holds P's gate and up "
+                            "tiles beside the accumulator), 128x128 dX and weight-gradient tiles; not yet timed"),
+)
+
 # A call that names a kernel without a config gets this one (the pointer and TMA kernels: their
 # GPU-independent rule for the call's M).
 DEFAULT_CONFIGS: dict[str, C] = {
@@ -203,4 +217,5 @@ DEFAULT_CONFIGS: dict[str, C] = {
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family
 # adds its table here and kernel files whose CAPABILITY names it.
-TABLES: dict[str, tuple[Rule, ...]] = {"forward": RULES, "backward": BACKWARD_RULES, "experts": EXPERTS_RULES}
+TABLES: dict[str, tuple[Rule, ...]] = {"forward": RULES, "backward": BACKWARD_RULES, "experts": EXPERTS_RULES,
+                                       "experts_backward": EXPERTS_BACKWARD_RULES}

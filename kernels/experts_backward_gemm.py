@@ -1,0 +1,337 @@
+"""The experts block's backward: four grouped GEMMs over the forward's blocks of pairs sorted by expert.
+
+The forward (`experts_reference.py`, pairs p = t * TOP_K + j of S = T * TOP_K, expert e = top_k_index[t, j],
+w_p = top_k_weights[t, j]):
+
+    P[p] = x[t] @ Wgu[e]^T + bgu[e]   [S, 2I], gate/up columns in the model's order (`ExpertsLayout`)
+    h[p] = epilogue(gate(P[p]), up(P[p]))   rounded to x's dtype
+    out[t] = sum_j w_p * (h[p] @ Wd[e]^T + bd[e])
+
+Given dOut [T, K_out] and P (stored by the forward, or recomputed here by the forward's gated
+kernel, `experts_gemm._experts_gated_gemm_kernel` with STORE_PREACT), on the blocks of
+`experts_routing.expert_blocks`:
+
+- `_experts_dh_kernel`, per (block, I tile): G = dOut[t] @ Wd[e] (fp32, over K_out; dOut rows
+  gathered by token); its epilogue reads the tile's gate and up columns of P and writes
+  dP[p] = d(sum dh * h)/dP with dh = w_p * G (`experts_epilogue_grad`), in P's column order and
+  dtype, over P when dP is P (each program reads its P tile before it writes the same elements);
+  hw[p] = w_p * h[p] [S, I] (for dWd); and the routing weight's gradient per column tile,
+  dw_part[p, tile] = <G, h> (+ <dOut[t], bd[e]> in tile 0), fp32: dw = dw_part summed over
+  tiles afterwards, in a fixed order (deterministic).
+- `_experts_wgrad_kernel`, per (expert, output tile): out[e] = sum over e's blocks A^T @ B, rows
+  gathered by pair or by token, fp32, rounded once; bias = sum over rows of A (times w_p if
+  asked). dWd[e] = dOut^T @ hw with dbd[e] = sum w_p dOut[t]; dWgu[e] = dP^T @ x with
+  dbgu[e] = sum dP. Written through the weight's own strides (any layout); an expert with no
+  pairs gets zeros.
+- `_experts_dx_kernel`, per (block, K tile): dx_pair[p] = dP[p] @ Wgu[e] [S, K], then the
+  forward's fixed-order combine (`experts_gemm._experts_combine_kernel`): dx[t] = sum_j
+  dx_pair[t * TOP_K + j], skipping slots of expert-parallel sentinels (ids >= E), which get
+  no row, no gradient and dw = 0.
+
+Rounding: each stored value once, to x's dtype (dP, hw, dx rows, dx, the weight gradients),
+dw to top_k_weights' dtype; all accumulation in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .configs import KernelCapability, ceil_div
+from .experts_backward_config import ExpertsBackwardConfig
+from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
+                           _gate_up_strides, _precision)
+from .experts_routing import expert_blocks
+from .jit_common import gated_epilogue_grad, tile_pid
+from .launcher import FastLaunch
+
+
+@triton.jit
+def experts_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                          GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr,
+                          LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """(h, dgate, dup) in fp32 for `experts_jit.experts_epilogue`: with ALPHA == 0 the dense
+    `gated_epilogue_grad`; with ALPHA > 0 gpt-oss's h = g * sigmoid(ALPHA g) * (u + 1),
+    g = min(gate, LIMIT), u = clip(up, -LIMIT, LIMIT): with s = sigmoid(ALPHA g),
+    dgate = dh * (u + 1) * s * (1 + ALPHA g (1 - s)) where gate <= LIMIT, dup = dh * g * s where
+    -LIMIT <= up <= LIMIT (a clamp passes no gradient where it clips, as torch.clamp's backward)."""
+    if ALPHA != 0.0:
+        gate_passes = gate <= LIMIT
+        up_passes = (up >= -LIMIT) & (up <= LIMIT)
+        g = tl.minimum(gate, LIMIT)
+        u1 = tl.minimum(tl.maximum(up, -LIMIT), LIMIT) + 1.0
+        s = 1.0 / (1.0 + tl.exp(-ALPHA * g))
+        gs = g * s
+        h = gs * u1
+        dgate = tl.where(gate_passes, dh * u1 * (s + ALPHA * gs * (1.0 - s)), 0.0)
+        dup = tl.where(up_passes, dh * gs, 0.0)
+    else:
+        h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
+                                            LIMIT)
+    return h, dgate, dup
+
+
+@triton.jit
+def _experts_dh_kernel(
+    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS,
+    stride_dym, stride_dyk,
+    stride_rt, stride_rj,
+    stride_de, stride_dn, stride_di,
+    stride_dbe, stride_dbn,
+    stride_pm, stride_dpm, stride_hm, stride_dwm,
+    TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+    GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(I, BLOCK_N), NUM_BLOCKS, GROUP_M)
+    expert = tl.load(blocks_ptr + pid_m)
+    if expert < NUM_EXPERTS:
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < NUM_PAIRS
+        rows = pairs.to(tl.int64)
+        tokens = rows // TOP_K
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < I
+        offs_k = tl.arange(0, BLOCK_K)
+        dy_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_k[None, :] * stride_dyk  # [BLOCK_M, BLOCK_K]
+        d_ptrs = (d_ptr + expert.to(tl.int64) * stride_de + offs_k[:, None] * stride_dn
+                  + offs_n[None, :].to(tl.int64) * stride_di)  # [BLOCK_K, BLOCK_N]
+        db_ptrs = db_ptr + expert.to(tl.int64) * stride_dbe + offs_k * stride_dbn
+        # -- main loop: G = dOut[t] @ Wd[e] over K_out, fp32; and <dOut[t], bd[e]> for dw --
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K_OUT, BLOCK_K)):
+            k_left = K_OUT - k * BLOCK_K
+            dy = tl.load(dy_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            wd = tl.load(d_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            acc = tl.dot(dy, wd, acc, input_precision=INPUT_PRECISION)
+            if HAS_BIAS:
+                bd = tl.load(db_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+                bias_dot += tl.sum(dy.to(tl.float32) * bd[None, :], 1)
+                db_ptrs += BLOCK_K * stride_dbn
+            dy_ptrs += BLOCK_K * stride_dyk
+            d_ptrs += BLOCK_K * stride_dn
+        # -- epilogue: P's gate and up columns, h and the derivatives in fp32, one rounding per store --
+        weight = tl.load(rw_ptr + tokens * stride_rt + (rows % TOP_K) * stride_rj, mask=mask_m, other=0.0)
+        weight = weight.to(tl.float32)
+        mask = mask_m[:, None] & mask_n[None, :]
+        gate_cols = (offs_n * GATE_STEP).to(tl.int64)
+        p_rows = p_ptr + rows[:, None] * stride_pm
+        gate = tl.load(p_rows + gate_cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(p_rows + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(tl.float32)
+        h, dgate, dup = experts_epilogue_grad(gate, up, acc * weight[:, None], ACTIVATION, APPROX_TANH, GATE_SCALE,
+                                              OUT_SCALE, CLAMP, LIMIT, ALPHA)
+        dp_rows = dp_ptr + rows[:, None] * stride_dpm
+        tl.store(dp_rows + gate_cols[None, :], dgate.to(dp_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp_rows + (gate_cols + UP_SHIFT)[None, :], dup.to(dp_ptr.dtype.element_ty), mask=mask)
+        h = h.to(hw_ptr.dtype.element_ty).to(tl.float32)  # h as the forward rounded it
+        hw_ptrs = hw_ptr + rows[:, None] * stride_hm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(hw_ptrs, (h * weight[:, None]).to(hw_ptr.dtype.element_ty), mask=mask)
+        # -- dw: this tile's part of <G, h>, tile 0 adding <dOut[t], bd[e]> --
+        part = tl.sum(tl.where(mask, acc * h, 0.0), 1)
+        if HAS_BIAS:
+            part += tl.where(pid_n == 0, bias_dot, 0.0)
+        tl.store(dw_ptr + rows * stride_dwm + pid_n, part, mask=mask_m)
+
+
+@triton.jit
+def _experts_wgrad_kernel(
+    a_ptr, b_ptr, pairs_ptr, starts_ptr, ends_ptr, rw_ptr, out_ptr, bias_ptr,
+    NUM_PAIRS, A_COLS, B_COLS,
+    stride_am, stride_ak, stride_bm, stride_bk,
+    stride_rt, stride_rj,
+    stride_oe, stride_oa, stride_ob,
+    stride_be, stride_bn,
+    TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BIAS_WEIGHTED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    tiles_a = tl.cdiv(A_COLS, BLOCK_A)
+    tiles_b = tl.cdiv(B_COLS, BLOCK_B)
+    pid = tl.program_id(0)
+    expert = pid // (tiles_a * tiles_b)
+    pid_a = (pid // tiles_b) % tiles_a
+    pid_b = pid % tiles_b
+    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask_a = offs_a < A_COLS
+    mask_b = offs_b < B_COLS
+    first = tl.load(starts_ptr + expert)
+    last = tl.load(ends_ptr + expert)
+    # -- main loop over the expert's blocks: out += A[rows]^T @ B[rows], fp32 --
+    acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
+    bias = tl.zeros((BLOCK_A,), dtype=tl.float32)
+    for block in range(first, last):
+        pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < NUM_PAIRS
+        rows = pairs.to(tl.int64)
+        a_rows = rows // TOP_K if A_BY_TOKEN else rows
+        b_rows = rows // TOP_K if B_BY_TOKEN else rows
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_a[None, :] * stride_ak,
+                    mask=mask_m[:, None] & mask_a[None, :], other=0.0)  # [BLOCK_M, BLOCK_A]
+        b = tl.load(b_ptr + b_rows[:, None] * stride_bm + offs_b[None, :] * stride_bk,
+                    mask=mask_m[:, None] & mask_b[None, :], other=0.0)  # [BLOCK_M, BLOCK_B]
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            if BIAS_WEIGHTED:
+                w = tl.load(rw_ptr + (rows // TOP_K) * stride_rt + (rows % TOP_K) * stride_rj, mask=mask_m, other=0.0)
+                bias += tl.sum(a.to(tl.float32) * w.to(tl.float32)[:, None], 0)
+            else:
+                bias += tl.sum(a.to(tl.float32), 0)
+    # -- one rounding, through the weight's own strides --
+    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_oe + offs_a[:, None].to(tl.int64) * stride_oa
+                + offs_b[None, :].to(tl.int64) * stride_ob)  # [BLOCK_A, BLOCK_B]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_a[:, None] & mask_b[None, :])
+    if HAS_BIAS:
+        if pid_b == 0:
+            tl.store(bias_ptr + expert.to(tl.int64) * stride_be + offs_a * stride_bn,
+                     bias.to(bias_ptr.dtype.element_ty), mask=mask_a)
+
+
+@triton.jit
+def _experts_dx_kernel(
+    dp_ptr, pairs_ptr, blocks_ptr, w_ptr, dx_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K, N2, NUM_EXPERTS,
+    stride_dpm, stride_we, stride_wn, stride_wk, stride_dxm,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(K, BLOCK_N), NUM_BLOCKS, GROUP_M)
+    expert = tl.load(blocks_ptr + pid_m)
+    if expert < NUM_EXPERTS:
+        pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        mask_m = pairs < NUM_PAIRS
+        rows = pairs.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < K
+        offs_k = tl.arange(0, BLOCK_K)
+        dp_ptrs = dp_ptr + rows[:, None] * stride_dpm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+        w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None].to(tl.int64) * stride_wn
+                  + offs_n[None, :].to(tl.int64) * stride_wk)  # [BLOCK_K, BLOCK_N]
+        # -- main loop over 2I: dx_pair = dP @ Wgu[e], fp32 --
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(N2, BLOCK_K)):
+            k_left = N2 - k * BLOCK_K
+            dp = tl.load(dp_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            acc = tl.dot(dp, w, acc, input_precision=INPUT_PRECISION)
+            dp_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wn
+        dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
+        tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+CAPABILITY = KernelCapability("experts_backward_grouped", ops=("experts_backward",))
+
+
+def can_run(*tensors) -> bool:
+    """Every call the planner makes: any device Triton runs on, any strides, any sizes."""
+    return True
+
+
+def expert_ranges(block_expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first block, end block) [E] each of every expert in `block_expert` (nondecreasing, E for
+    unused blocks): torch ops, no host synchronisation; an expert with no pairs gets first == end."""
+    experts = torch.arange(num_experts, device=block_expert.device, dtype=block_expert.dtype)
+    return torch.searchsorted(block_expert, experts), torch.searchsorted(block_expert, experts, right=True)
+
+
+def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
+    """A launcher `(dout [T, K_out], x [T, K], top_k_index, top_k_weights [T, TOP_K], gate_up, down,
+    gate_up_bias or None, down_bias or None, preact [S, 2I] or None, needs) -> (dx, dgate_up, ddown,
+    dgate_up_bias, ddown_bias, dweights)` for one (config, epilogue constexprs plus APPROX_TANH,
+    `ExpertsLayout`, bias, TOP_K). preact None recomputes P (the forward's gated kernel); a given
+    preact is overwritten with dP. needs: six bools, which of the six gradients to compute (the
+    others are None). The weight gradients are new contiguous tensors of the weights' shapes;
+    dx is [T, K] and dweights [T, TOP_K] in top_k_weights' dtype. Arguments are checked by the
+    caller (`experts_backward.experts_backward`)."""
+    step = 1 if layout.concatenated else 2
+    tiles = dict(BLOCK_M=config.block_m, num_warps=config.num_warps, num_stages=config.num_stages)
+    grouped = dict(tiles, GROUP_M=config.group_m)
+
+    def by_precision(kernel, **constexprs):
+        return {p: FastLaunch(kernel, dict(constexprs, INPUT_PRECISION=p)) for p in ("tf32", "ieee")}
+
+    recompute = by_precision(_experts_gated_gemm_kernel, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias,
+                             STORE_PREACT=True, **epilogue, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **grouped)
+    dh = by_precision(_experts_dh_kernel, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, **grouped)
+    wgrad_constexprs = dict(TOP_K=top_k, HAS_BIAS=has_bias, BLOCK_A=config.wgrad_block_a,
+                            BLOCK_B=config.wgrad_block_b, **tiles)
+    dwd = by_precision(_experts_wgrad_kernel, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True, **wgrad_constexprs)
+    dwgu = by_precision(_experts_wgrad_kernel, A_BY_TOKEN=False, B_BY_TOKEN=True, BIAS_WEIGHTED=False,
+                        **wgrad_constexprs)
+    dx_kernel = by_precision(_experts_dx_kernel, BLOCK_N=config.dx_block_n, BLOCK_K=config.dx_block_k, **grouped)
+    combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
+    bm = config.block_m
+
+    def launch(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs):
+        need_x, need_gu, need_d, need_gub, need_db, need_w = needs
+        t, k = x.shape
+        num_pairs, num_experts = t * top_k, gate_up.shape[0]
+        inter = gate_up.shape[1 + layout.transposed] >> 1
+        k_out = dout.shape[1]
+        precision = _precision(x.dtype)
+        device = x.get_device()
+        up_shift = inter if step == 1 else 1
+        sorted_pairs, block_expert = expert_blocks(top_k_index, num_experts, bm)
+        num_blocks = block_expert.shape[0]
+        gu_bias = gate_up if gate_up_bias is None else gate_up_bias  # not read without HAS_BIAS
+        d_bias = down if down_bias is None else down_bias
+        hw = x.new_empty((num_pairs, inter))
+        if preact is None:  # recompute P (the forward's gated kernel; its h lands in hw, overwritten below)
+            preact = x.new_empty((num_pairs, 2 * inter))
+            recompute[precision](num_blocks * ceil_div(inter, config.block_n), device,
+                                 x, sorted_pairs, block_expert, gate_up, gu_bias, hw, preact,
+                                 num_pairs, num_blocks, k, inter, up_shift, num_experts, *x.stride(),
+                                 *_gate_up_strides(gate_up, layout), gu_bias.stride(0), gu_bias.stride(1),
+                                 hw.stride(0), preact.stride(0))
+        dpre = preact  # dP is written over P
+        tiles_i = ceil_div(inter, config.block_n)
+        dw_part = torch.zeros((num_pairs, tiles_i), dtype=torch.float32, device=x.device)
+        dh[precision](num_blocks * tiles_i, device,
+                      dout, sorted_pairs, block_expert, top_k_weights, down, d_bias, preact, dpre, hw, dw_part,
+                      num_pairs, num_blocks, k_out, inter, up_shift, num_experts, *dout.stride(),
+                      *top_k_weights.stride(), *_down_strides(down, layout), d_bias.stride(0), d_bias.stride(1),
+                      preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0))
+        dweights = dw_part.sum(1).view(t, top_k).to(top_k_weights.dtype) if need_w else None
+        del dw_part
+        dx = dgate_up = ddown = dgate_up_bias = ddown_bias = None
+        starts = ends = None
+        if need_d or need_db or need_gu or need_gub:
+            starts, ends = expert_ranges(block_expert, num_experts)
+        if need_d or need_db:
+            ddown = torch.empty_like(down, memory_format=torch.contiguous_format)
+            ddown_bias = x.new_empty((num_experts, k_out)) if has_bias else None
+            db = ddown if ddown_bias is None else ddown_bias
+            dwd[precision](num_experts * ceil_div(k_out, config.wgrad_block_a) * ceil_div(inter, config.wgrad_block_b),
+                           device, dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
+                           num_pairs, k_out, inter, *dout.stride(), *hw.stride(), *top_k_weights.stride(),
+                           *_down_strides(ddown, layout), db.stride(0), db.stride(1))
+        del hw
+        if need_gu or need_gub:
+            dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+            dgate_up_bias = x.new_empty((num_experts, 2 * inter)) if has_bias else None
+            db = dgate_up if dgate_up_bias is None else dgate_up_bias
+            dwgu[precision](num_experts * ceil_div(2 * inter, config.wgrad_block_a) * ceil_div(k, config.wgrad_block_b),
+                            device, dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
+                            num_pairs, 2 * inter, k, *dpre.stride(), *x.stride(), *top_k_weights.stride(),
+                            *_gate_up_strides(dgate_up, layout), db.stride(0), db.stride(1))
+        if need_x:
+            dx_pairs = x.new_empty((num_pairs, k))
+            gs = _gate_up_strides(gate_up, layout)  # (expert, 2I-axis, K-axis)
+            dx_kernel[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
+                                 dpre, sorted_pairs, block_expert, gate_up, dx_pairs,
+                                 num_pairs, num_blocks, k, 2 * inter, num_experts,
+                                 dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0))
+            dx = x.new_empty((t, k))
+            combine(t * ceil_div(k, COMBINE_BLOCK), device, dx_pairs, top_k_index, dx, k, num_experts,
+                    dx_pairs.stride(0), *top_k_index.stride(), *dx.stride())
+        return (dx, dgate_up if need_gu else None, ddown if need_d else None,
+                dgate_up_bias if need_gub else None, ddown_bias if need_db else None, dweights)
+
+    return launch
