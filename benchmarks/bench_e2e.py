@@ -179,13 +179,14 @@ def measure_generate(models: dict, args, device, vocab: int, gen: torch.Generato
             out = call(model)
             sync()
             first_s[mode] = time.perf_counter() - t0
-            tokens[mode] = out[0, args.prompt:].tolist()
+            tokens[mode] = out[:, args.prompt:].tolist()
             if out.shape[1] != args.prompt + new:
                 raise RuntimeError(f"bench_e2e: generate made {out.shape[1] - args.prompt} tokens, not {new}")
         times = in_turns({mode: (lambda m=m: call(m)) for mode, m in models.items()}, args.rounds, sync)
         row = {"cache": cache, "batch": batch, "new_tokens": new, "prompt": args.prompt,
                "compiled": cache == "static" and device.type == "cuda", "first_call_s": first_s,
-               **_pair(times, batch * new), "tokens": tokens}
+               **_pair(times, batch * new), "tokens": {mode: t[0] for mode, t in tokens.items()},
+               "equal_leading": [leading(a, b) for a, b in zip(tokens["eager"], tokens["patched"])]}
         rows.append(row)
         s = row["speedup"]
         print(f"[bench_e2e] generate {cache:7s} batch {batch:3d}: eager {row['eager']['per_s']:9.1f} tok/s, "
@@ -238,9 +239,10 @@ def _per_step(figures: dict, steps: int) -> dict:
     return {k: (per(v) if k.endswith("_ms") and v is not None else v) for k, v in figures.items()}
 
 
-def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
+def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator, sync, marked=mlps) -> list[dict]:
     """One profiled `generate` call per (cache, batch, mode), after the untimed calls of `generate`
-    (or one here) compiled and warmed it; figures per decode step (/ new tokens)."""
+    (or one here) compiled and warmed it; figures per decode step (/ new tokens). marked(model): the
+    modules whose forwards the profile marks ("mlp" figures; with the dynamic cache only)."""
     from .harness.step_profile import profile_call
 
     new, rows = args.new_tokens, []
@@ -248,8 +250,8 @@ def measure_profile(models: dict, args, device, vocab: int, gen: torch.Generator
         row = {"cache": cache, "batch": batch, "new_tokens": new}
         for mode, model in models.items():
             call(model)  # warm (a static cache compiles on its first call)
-            marked = mlps(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
-            got = profile_call(lambda model=model: call(model), marked, sync, device.type == "cuda")
+            hooked = marked(model) if cache == "dynamic" else []  # hooks would recompile a compiled forward
+            got = profile_call(lambda model=model: call(model), hooked, sync, device.type == "cuda")
             row[mode] = _per_step(got, new)
         rows.append(row)
         e, p = row["eager"], row["patched"]
@@ -303,18 +305,24 @@ def run(args: argparse.Namespace) -> dict:
             data["host"] = measure_host(models, args, device, dims, sync)
         if "profile" in args.parts:
             data["profile"] = measure_profile(models, args, device, dims.vocab, gen, sync)
+    data["agreement"] = agreement(logits, data.get("generate", []))
+    data["wall_s"] = round(time.perf_counter() - t0, 1)
+    return data
+
+
+def agreement(logits: dict[str, torch.Tensor], generate_rows: list[dict]) -> dict:
+    """Patched against eager: logits [1, P, vocab] (fp32) on one probe prompt, and per `generate`
+    row how many leading greedy tokens the first sequence shares and the fewest any sequence shares."""
     diff = logits["patched"] - logits["eager"]
-    data["agreement"] = {
-        "probe_tokens": probe.shape[1],
+    return {
+        "probe_tokens": logits["eager"].shape[1],
         "max_abs_logit_diff": diff.abs().max().item(),
         "rel_logit_diff": (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(logits["eager"])).item(),
         "top1_agree": (logits["patched"].argmax(-1) == logits["eager"].argmax(-1)).float().mean().item(),
         "generate_leading_tokens": [
             {"cache": g["cache"], "batch": g["batch"], "equal": leading(g["tokens"]["eager"], g["tokens"]["patched"]),
-             "of": g["new_tokens"]} for g in data.get("generate", [])],
+             "fewest_equal": min(g["equal_leading"]), "of": g["new_tokens"]} for g in generate_rows],
     }
-    data["wall_s"] = round(time.perf_counter() - t0, 1)
-    return data
 
 
 def main(argv: list[str] | None = None) -> int:

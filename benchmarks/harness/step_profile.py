@@ -6,9 +6,9 @@ pre-hook opens it, a forward hook closes it), so the profile splits both clocks:
 - GPU: kernel time under the MLP ranges against all kernel time of the call. All kernel time
   is summed over the device-side events. The profiler links a kernel to the range that launched
   it through the launching runtime call; Triton's launcher calls the driver directly, which the
-  profiler leaves unlinked, so the fused kernels (names starting `_gated`, launched only inside
-  fused MLPs) are added to the MLP time from the device-side events unless a range already
-  holds them;
+  profiler leaves unlinked, so the fused kernels (names starting `_gated` or `_expert`, launched
+  only inside fused MLPs and experts) are added to the MLP time from the device-side events
+  unless a range already holds them;
 - host: CPU time inside the MLP ranges against the call's wall time.
 
 Every kernel's GPU time is also summed by family (`kernel_family`: our fused kernels, cuBLAS /
@@ -32,7 +32,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 MLP_RANGE = "mlp"
-FUSED_KERNEL_PREFIX = "_gated"  # the names of swiglu_patch's Triton kernels
+FUSED_KERNEL_PREFIX = ("_gated", "_expert")  # the names of swiglu_patch's Triton kernels (MLP, MoE experts)
 KERNEL_FAMILIES = ("fused", "gemm", "attention", "triton", "other")
 _GEMM_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "gemv")
 _ATTENTION_MARKS = ("flash", "fmha", "attention", "sdpa")

@@ -47,6 +47,8 @@ def test_dry_run_exercises_every_part_and_renders(tmp_path):
         assert dynamic["gpu_ms"] is None and static["mlp_calls"] == 0 and static["mlp_host_ms"] is None
     assert data["agreement"]["top1_agree"] > 0.5
     assert [g["cache"] for g in data["agreement"]["generate_leading_tokens"]] == ["dynamic", "static"]
+    for g in data["generate"]:  # the first position where each sequence's tokens differ, or all equal
+        assert len(g["equal_leading"]) == g["batch"] and all(0 <= n <= 3 for n in g["equal_leading"])
     md = (tmp_path / "results.md").read_text()
     for heading in ("## Prefill", "## HF generate", "## Decode, the step captured", "## Host time per MLP call",
                     "## Where a decode step's time goes", "## Agreement"):
@@ -98,6 +100,8 @@ def test_render_refuses_another_schema(tmp_path, capsys):
 @pytest.mark.parametrize("name, family", [
     ("_gated_gemv_kernel", "fused"),  # ours, although it names a GEMV
     ("_gated_gemm_tma_kernel", "fused"),
+    ("_experts_gated_gemm_kernel", "fused"),  # the MoE experts kernels are ours too
+    ("_expert_blocks_kernel", "fused"),
     ("nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT", "gemm"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
     ("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16, 4, 4, false>", "gemm"),

@@ -1,0 +1,191 @@
+"""`bench_e2e_moe`'s markdown report: pure functions of its results JSON (no GPU, no torch).
+
+The JSON's timed rows are `bench_e2e`'s (`report_e2e` describes them); its mode "eager" is the
+unpatched model, transformers' default experts path, called "default" here. Ratios are
+patched / default tokens/s per round (above 1: faster patched).
+"""
+
+from __future__ import annotations
+
+from .report_e2e import _f, _speedup
+
+SCHEMA = 1
+
+# Issue 30's targets, patched / default: prefill; dynamic-cache decode by batch (1, then 8 and
+# more); the static cache against the default's best decode (either cache) at batch 1 and 32.
+PREFILL_TARGET = 1.5
+DYNAMIC_TARGETS = {1: 1.3, 8: 1.5, 32: 1.5}
+STATIC_TARGETS = {1: 2.0, 32: 2.0}
+NEVER_SLOWER = 1.0
+
+
+def _verdict(value: float, target: float | None) -> str:
+    if target is None:
+        return "met (>= 1.00, never slower)" if value >= NEVER_SLOWER else "**slower** (< 1.00)"
+    return ("met" if value >= target else "**missed**") + f" (>= {target:.1f})"
+
+
+def best_default(data: dict, batch: int) -> float | None:
+    """The default's best `generate` tokens/s at `batch`, over both caches."""
+    rates = [g["eager"]["per_s"] for g in data.get("generate", []) if g["batch"] == batch]
+    return max(rates) if rates else None
+
+
+def targets(data: dict) -> list[dict]:
+    """One row per measured target: what, ratio (median and min of the rounds), target, verdict."""
+    rows = []
+    for r in data.get("prefill", []):
+        s = r["speedup"]
+        rows.append({"what": f"prefill {r['prompt']} tokens", "ratio": s["median"], "min": s["min"],
+                     "target": PREFILL_TARGET})
+    for g in data.get("generate", []):
+        s, b = g["speedup"], g["batch"]
+        if g["cache"] == "dynamic":
+            rows.append({"what": f"dynamic cache, batch {b}", "ratio": s["median"], "min": s["min"],
+                         "target": DYNAMIC_TARGETS.get(b)})
+        else:
+            rows.append({"what": f"static cache, batch {b}: patched static / default static", "ratio": s["median"],
+                         "min": s["min"], "target": None})
+            best = best_default(data, b)
+            rows.append({"what": f"static cache, batch {b}: patched static / default's best decode",
+                         "ratio": g["patched"]["per_s"] / best, "min": None, "target": STATIC_TARGETS.get(b)})
+    for row in rows:
+        row["verdict"] = _verdict(row["ratio"], row["target"])
+    return rows
+
+
+def _header(data: dict) -> list[str]:
+    m, env, s = data["model"], data["env"], data["settings"]
+    git, v, gpu = env["git"], env["versions"], env["gpu"]
+    dirty = " (working tree had uncommitted changes)" if git.get("dirty") else ""
+    what = f"{m['label']} shape" + (", dry run on CPU: numbers mean nothing" if s["dry_run"] else "")
+    return [
+        f"# End to end, MoE: {what}, transformers' default experts vs patched (apply_fused_mlp)",
+        "",
+        f"- model: random-init {m['model_type']}, **{m['layers']} of {m['full_layers']} layers**, hidden {m['hidden']}, "
+        f"{m['experts']} experts, top-{m['top_k']}, expert intermediate {m['expert_intermediate']}, {m['heads']} heads / "
+        f"{m['kv_heads']} KV heads, vocab {m['vocab']}, {m['params'] / 1e9:.2f} B params, {m['dtype']}, attention "
+        f"{m['attn']}, torch.inference_mode(); built in {m['build_s']} s",
+        f"- default: transformers' `{m['default_experts']}` (`generate` runs its decode steps on batched_mm); "
+        f"patched: the fused experts kernels (\"swiglu_patch\"), backend {s['backend']}; one copy of the weights",
+        f"- GPU: {gpu.get('name')}, driver {gpu.get('driver', '–')}; torch {v.get('torch')}, triton {v.get('triton')}, "
+        f"transformers {v.get('transformers')}, python {v.get('python')}",
+        f"- commit {git['commit']} ({git['source']}){dirty}; measured {env['date_utc']}; host {env['host'].get('cpu')}",
+        f"- {s['stat']}; {s['rounds']} rounds; `generate`: prompt {s['prompt']}, {s['new_tokens']} new tokens forced",
+    ]
+
+
+def _targets(data: dict) -> list[str]:
+    rows = targets(data)
+    if not rows:
+        return []
+    lines = ["", "## Against the targets", "",
+             "| what | patched / default, median | lowest round | target | verdict |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['what']} | **{r['ratio']:.3f}x** | {_f(r['min'], '.3f')} | "
+                     f"{_f(r['target'], '.1f')} | {r['verdict']} |")
+    return lines
+
+
+def _prefill(data: dict) -> list[str]:
+    lines = ["", "## Prefill (batch 1, use_cache=True, logits_to_keep=1)", "",
+             "| prompt tokens | default tok/s | patched tok/s | patched / default, median (min-max) | "
+             "default peak extra MiB | patched peak extra MiB |", "|---|---|---|---|---|---|"]
+    for r in data["prefill"]:
+        e, p = r["eager"], r["patched"]
+        lines.append(f"| {r['prompt']} | {e['per_s']:.0f} | {p['per_s']:.0f} | {_speedup(r['speedup'])} | "
+                     f"{_f(e['peak_extra_mib'], '.0f')} | {_f(p['peak_extra_mib'], '.0f')} |")
+    return lines
+
+
+def _first_difference(g: dict) -> str:
+    """Where the two modes' greedy tokens first differ, over the batch's sequences."""
+    eq, new = g["equal_leading"], g["new_tokens"]
+    differ = [n for n in eq if n < new]
+    if not differ:
+        return f"all {len(eq)} equal"
+    return f"{len(differ)} of {len(eq)} differ, first at token {min(differ)}"
+
+
+def _generate(data: dict) -> list[str]:
+    lines = ["", "## HF generate (greedy)", "",
+             "tokens/s = batch x new tokens / wall time of the call (the prompt's forward included). static: "
+             "`cache_implementation=\"static\"`, the forward compiled by transformers (the capture check below).", "",
+             "| cache | batch | default tok/s | patched tok/s | patched / default, median (min-max) | tokens, default "
+             "vs patched |", "|---|---|---|---|---|---|"]
+    for g in data["generate"]:
+        lines.append(f"| {g['cache']} | {g['batch']} | {g['eager']['per_s']:.1f} | {g['patched']['per_s']:.1f} | "
+                     f"{_speedup(g['speedup'])} | {_first_difference(g)} |")
+    return lines
+
+
+def _capture(data: dict) -> list[str]:
+    new = data["settings"]["new_tokens"]
+    lines = ["", "## Does the static-cache step capture? (one compiling call, then one counted call)", "",
+             f"A captured decode replays a CUDA graph about once per step ({new - 1} steps per call); graph breaks "
+             "(dynamo) and skipped CUDA graphs (Inductor) are counted over the compiling call.", "",
+             "| batch | mode | first call s | graph replays in the next call | graph breaks | cudagraph skips |",
+             "|---|---|---|---|---|---|"]
+    for r in data["capture"]:
+        for mode in ("eager", "patched"):
+            c = r[mode]
+            breaks = "; ".join(f"{n} x {k}" for k, n in c["graph_breaks"].items()) or "0"
+            lines.append(f"| {r['batch']} | {'default' if mode == 'eager' else mode} | {c['first_call_s']:.1f} | "
+                         f"{c['graph_replays']} | {breaks} | {c['cudagraph_skips']} |")
+    return lines
+
+
+def _profile(data: dict) -> list[str]:
+    rows = data["profile"]
+    families = list(next((r["eager"]["family_gpu_ms"] for r in rows if r["eager"].get("family_gpu_ms")), []))
+    lines = ["", "## Where a decode step's time goes (torch.profiler, one `generate` call per row, / new tokens)", "",
+             "experts GPU: kernel time inside the experts modules' forwards (dynamic cache only: hooks would change "
+             "a compiled forward). Families: fused = ours (the experts kernels), gemm = cuBLAS/CUTLASS (the "
+             "default's batched_mm experts among them), attention, triton = Inductor's and other Triton kernels. "
+             "Host gap = wall - GPU: what a faster kernel cannot shorten. The profiler slows the host: read shares.",
+             "", "| cache | batch | mode | wall ms | GPU ms | experts GPU ms | "
+             + "".join(f"{f} ms | " for f in families) + "host gap ms | GPU busy |",
+             "|---|---|---|---|---|---|" + "---|" * (len(families) + 2)]
+    for r in rows:
+        for mode in ("eager", "patched"):
+            p = r[mode]
+            fam = p.get("family_gpu_ms") or {}
+            gap = p["wall_ms"] - p["gpu_ms"] if p["gpu_ms"] is not None else None
+            lines.append(f"| {r['cache']} | {r['batch']} | {'default' if mode == 'eager' else mode} | "
+                         f"{p['wall_ms']:.2f} | {_f(p['gpu_ms'], '.2f')} | {_f(p['mlp_gpu_ms'], '.3f')} | "
+                         + "".join(f"{_f(fam.get(f), '.3f')} | " for f in families)
+                         + f"{_f(gap, '.2f')} | {_f(p['gpu_busy'], '.2f')} |")
+    return lines
+
+
+def _agreement(data: dict) -> list[str]:
+    a = data.get("agreement")
+    if not a:
+        return []
+    lines = ["", "## Agreement of patched with the default", "",
+             f"- logits on a {a['probe_tokens']}-token prompt: max |diff| {a['max_abs_logit_diff']:.3g}, relative "
+             f"{a['rel_logit_diff']:.2e}, top-1 agreement {a['top1_agree']:.4f}",
+             f"- routing decisions (a layer's top-k expert set for a token) that differ on that prompt: "
+             f"{a['routing_differs']:.4%} (a flip in one layer changes the inputs of the next)"]
+    if a["generate_leading_tokens"]:
+        lines.append("- leading greedy tokens equal (first sequence; fewest over the batch): " + ", ".join(
+            f"{g['cache']} batch {g['batch']}: {g['equal']} ({g['fewest_equal']}) of {g['of']}"
+            for g in a["generate_leading_tokens"]))
+    return lines + ["", "```", data["patch_report"], "```"]
+
+
+def render_markdown(data: dict) -> str:
+    """The whole report as markdown (parts a run did not reach are left out)."""
+    lines = _header(data) + _targets(data)
+    for key, part in (("prefill", _prefill), ("generate", _generate), ("capture", _capture), ("profile", _profile)):
+        if data.get(key):
+            lines += part(data)
+    return "\n".join(lines + _agreement(data)) + "\n"
+
+
+def summary_lines(data: dict) -> list[str]:
+    """The targets, one line each, for the terminal."""
+    m = data["model"]
+    return [f"[bench_e2e_moe] {m['label']}, {m['layers']} layers, {data['env']['gpu'].get('name')}, "
+            f"commit {data['env']['git']['commit']}"] + [
+        f"  {r['what']}: {r['ratio']:.3f}x, {r['verdict']}" for r in targets(data)]
