@@ -22,6 +22,11 @@ peak memory of one train call above what was allocated before it. Before timing,
 dx and adapter gradients are checked against the same adapters in float64 (relative error,
 next to PEFT's own bf16 error).
 
+Decode rows (--decode-ms) also time each way as `generate` runs it without a CUDA graph
+(`harness.host_time`, the ways in turns, `--host-calls` calls each): "host" is the time a call
+takes to return when started on an idle GPU (its Python, dispatcher and launch work), and
+"eager" the time to return and synchronize (host plus the GPU's tail), per call.
+
 Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
 """
 
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 from pathlib import Path
 
@@ -56,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-ms", nargs="*", type=positive_int, help="tokens of infer-only rows (default 1 16)")
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     p.add_argument("--rep-ms", type=float, default=150.0, help="GPU ms of timed calls per way and row")
+    p.add_argument("--host-calls", type=positive_int, default=600, help="calls per way of the decode rows' host timing")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="tiny shape on CPU, fp32, backend torch, no timing")
@@ -188,6 +195,8 @@ def run(args: argparse.Namespace) -> dict:
                     row["errors"] = {w: check_way(h, ref64, x, dy) for w, h in holders.items() if w != "base"}
                 fns = {w: (_train_call(h, x, dy) if phase == "train" else _infer_call(h, x))
                        for w, h in holders.items()}
+                if phase == "infer" and m in args.decode_ms:
+                    row["per_call"] = per_call_times(fns, device, 20 if args.dry_run else args.host_calls)
                 if timer is not None:
                     row["ways"] = {w: {"us": s * 1e6} for w, s in timer.many(fns).items()}
                     row["timer_modes"] = dict(timer.modes)
@@ -219,6 +228,18 @@ def run(args: argparse.Namespace) -> dict:
             "skipped": skipped, "rows": rows}
 
 
+def per_call_times(fns: dict, device, calls: int) -> dict:
+    """{way: {"host_us", "eager_us"}}: median µs of one call from an idle GPU to its return, and to
+    its return and a synchronize, the ways in turns (`harness.host_time.host_from_idle`)."""
+    from .harness.host_time import host_from_idle, synchronizer
+
+    sync = synchronizer(device)
+    rounds = 6
+    host = host_from_idle(fns, calls, rounds, sync)
+    eager = host_from_idle({w: (lambda fn=fn: (fn(), sync())) for w, fn in fns.items()}, calls, rounds, sync)
+    return {w: {"host_us": statistics.median(host[w]) * 1e6, "eager_us": statistics.median(eager[w]) * 1e6} for w in fns}
+
+
 def render_markdown(data: dict) -> str:
     env, s, shape = data["env"], data["settings"], data["shape"]
     gpu = (env.get("gpu") or {}).get("name", "none (dry run on CPU)")
@@ -246,6 +267,17 @@ def render_markdown(data: dict) -> str:
                      + " | ".join(f"{us[n]:.0f}" if n in us else "–" for n in WAYS)
                      + f" | {ratio('ours', 'peft')} | {ratio('ours', 'liger')} | {ratio('ours', 'base')} | {peaks} | "
                        f"{err if errs else '–'} |")
+    per_call = [row for row in data["rows"] if "per_call" in row]
+    if per_call:
+        lines += ["", "Decode calls as `generate` makes them without a CUDA graph: median µs per call from an idle GPU, "
+                  "to return (host) and to return and synchronize (eager).", "",
+                  "| r | M | " + " | ".join(f"{w} host / eager" for w in WAYS) + " | ours / peft host | ours / peft eager |",
+                  "|---|---|" + "---|" * (len(WAYS) + 2)]
+        for row in per_call:
+            t = row["per_call"]
+            cells = [f"{t[w]['host_us']:.0f} / {t[w]['eager_us']:.0f}" if w in t else "–" for w in WAYS]
+            ratio = lambda key: f"{t['ours'][key] / t['peft'][key]:.3f}x" if "ours" in t and "peft" in t else "–"  # noqa: E731
+            lines.append(f"| {row['rank']} | {row['m']} | " + " | ".join(cells) + f" | {ratio('host_us')} | {ratio('eager_us')} |")
     for way, reason in data["skipped"].items():
         lines.append(f"\n{way}: not run ({reason})")
     return "\n".join(lines) + "\n"

@@ -108,6 +108,37 @@ class PackedLoraLinear(LoraLinear):
         b = lora_B's weight ([I, r]; [2*I, r] on a chunked gate_up_proj) and half the packed
         rows it updates, which `low_rank.pack_low_rank_bs` lays out.
         """
+        half = self.get_base_layer().half
+        out = []
+        for adapter in self._adapters_to_add():
+            a, b = self.lora_A[adapter], self.lora_B[adapter]
+            x_lr = a(self.lora_dropout[adapter](self._cast_input_dtype(x, a.weight.dtype))) * self.scaling[adapter]
+            out.append((x_lr.to(x.dtype), b.weight.to(x.dtype), half))
+        return out
+
+    def low_rank_weights(self) -> list[tuple[torch.Tensor, torch.Tensor, float, str]] | None:
+        """[(A [r, K], B [I, r] (or [2*I, r] chunked), scaling, half)] of each active, unmerged adapter,
+        for a call in which dropout does nothing; None if an adapter's dropout is active (training
+        mode with p > 0) or its A/B is not a plain linear layer: the caller then takes
+        `low_rank_operands`, which runs them as PEFT does."""
+        modules = self._modules  # direct reads: nn.Module.__getattr__ costs host time on this per-call path
+        base = modules["base_layer"]
+        half = base.half if type(base) is PackedProjection else self.get_base_layer().half
+        lora_a, lora_b, dropout = (modules[n]._modules for n in ("lora_A", "lora_B", "lora_dropout"))
+        out = []
+        for adapter in self._adapters_to_add():
+            a, b, drop = lora_a[adapter], lora_b[adapter], dropout[adapter]
+            if type(a) is not nn.Linear or type(b) is not nn.Linear:
+                return None
+            a, b = a._parameters, b._parameters
+            if a["bias"] is not None or b["bias"] is not None or (
+                    type(drop) is not nn.Identity and drop.training and drop.p):
+                return None
+            out.append((a["weight"], b["weight"], self.scaling[adapter], half))
+        return out
+
+    def _adapters_to_add(self) -> list[str]:
+        """The active, unmerged adapters' names (a disabled, merged one is unmerged first, as PEFT's forward does)."""
         if self.disable_adapters:
             if self.merged:  # as PEFT's forward: a disabled adapter is taken out of the weight
                 self.unmerge()
@@ -119,15 +150,8 @@ class PackedLoraLinear(LoraLinear):
                 "swiglu_patch.lora: a hook on a packed projection's LoRA layer would not run inside the fused GEMM "
                 "(PEFT's mixed-batch adapter_names= works this way); merge the adapter or unpatch for that call"
             )
-        half = self.get_base_layer().half
-        out = []
-        for adapter in self.active_adapters:
-            if adapter not in self.lora_A.keys():
-                continue
-            a, b = self.lora_A[adapter], self.lora_B[adapter]
-            x_lr = a(self.lora_dropout[adapter](self._cast_input_dtype(x, a.weight.dtype))) * self.scaling[adapter]
-            out.append((x_lr.to(x.dtype), b.weight.to(x.dtype), half))
-        return out
+        lora_a = self._modules["lora_A"]._modules
+        return [a for a in self.active_adapters if a in lora_a]
 
     def _packed_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the packed weight parameter, this projection's row indices in it)."""

@@ -39,6 +39,7 @@ from torch import nn
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import copy_into_interleaved, split_interleaved
 from .kernels.reference import gated_linear_reference
+from . import ops
 from .ops import epilogue_args, gated_gemm_low_rank_op, resolve_backend
 
 HALVES = ("gate", "up", "gate_up")
@@ -167,7 +168,10 @@ def gated_linear_low_rank(
                 "model's FusedGatedMLP does), run under torch.no_grad(), or use backend='torch'"
             )
         x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
-        out = gated_gemm_low_rank_op(x2d, weight, bias, xlr2d, b_lr, *epilogue_args(epilogue))
+        if torch.compiler.is_compiling():
+            out = gated_gemm_low_rank_op(x2d, weight, bias, xlr2d, b_lr, *epilogue_args(epilogue))
+        else:  # eager: skip the op's overhead on the hot path
+            out = (ops.DISPATCH or ops.dispatcher()).gated_gemm_low_rank(x2d, weight, xlr2d, b_lr, epilogue, bias)[0]
         return out.view(*x.shape[:-1], out.shape[-1])
     acc = torch.promote_types(x.dtype, torch.float32)
     x2d, xlr2d = x.reshape(-1, x.shape[-1]), x_lr.reshape(-1, x_lr.shape[-1])
@@ -209,6 +213,53 @@ def low_rank_operands(wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, t
     return x_lr, b_lr
 
 
+_CACHE = "_swiglu_low_rank_cache"  # on the fused module: (key, weights, a_cat, scale, b_lr) of its last inference call
+
+
+def inference_low_rank_operands(owner: nn.Module, wrappers, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`low_rank_operands` for a call without autograd, in fewer launches: x_lr = (x @ A_cat^T) * s
+    with the adapters' A stacked into one [sum r, K] weight, and b_lr packed once; both kept on
+    `owner` (the fused module, in its ``__dict__``: not a parameter, buffer or state-dict entry)
+    and rebuilt when an adapter, its weights (identity, storage or in-place version), its scaling,
+    the active set or x's dtype change.
+
+    Falls back to `low_rank_operands` where a wrapper cannot list plain weights (a dropout that
+    is active, a non-linear A or B, a wrapper other than swiglu_patch's).
+
+    Returns:
+        (x_lr [..., sum r] in x's dtype, b_lr [2*I, sum r] in x's dtype), or (None, None) when no
+        adapter is active.
+    """
+    entries = []
+    for w in wrappers:
+        weights = getattr(w, "low_rank_weights", None)
+        listed = None if weights is None else weights()
+        if listed is None:
+            return low_rank_operands(wrappers, x)
+        entries += listed
+    if not entries:
+        return None, None
+    # ids are unique while the cache holds the weights themselves (cached[1])
+    key = (x.dtype, *((id(a), a._version, a.data_ptr(), id(b), b._version, b.data_ptr(), s, half)
+                      for a, b, s, half in entries))
+    cached = owner.__dict__.get(_CACHE)
+    if cached is None or cached[0] != key:
+        a0 = entries[0][0]
+        if any(a.dtype != a0.dtype or a.device != a0.device for a, *_ in entries):
+            return low_rank_operands(wrappers, x)
+        with torch.no_grad():
+            a_cat = a0.detach() if len(entries) == 1 else torch.cat([a.detach() for a, *_ in entries])
+            scales = [s for _, _, s, _ in entries]
+            scale = scales[0] if len(set(scales)) == 1 else torch.cat(
+                [torch.full((a.shape[0],), s, dtype=a0.dtype, device=a0.device) for a, _, s, _ in entries])
+            b_lr = pack_low_rank_bs([(b.detach().to(x.dtype), half) for _, b, _, half in entries])
+        cached = (key, [(a, b) for a, b, _, _ in entries], a_cat, scale, b_lr)
+        owner.__dict__[_CACHE] = cached
+    _, _, a_cat, scale, b_lr = cached
+    x_lr = F.linear(x if x.dtype == a_cat.dtype else x.to(a_cat.dtype), a_cat) * scale
+    return x_lr.to(x.dtype), b_lr
+
+
 _PEFT_LORA_LINEAR = ("peft.tuners.lora.layer", "Linear")
 
 
@@ -226,12 +277,14 @@ def down_adapters(down: nn.Module) -> tuple[nn.Module, tuple[str, ...]] | None:
         return None
     if down._forward_hooks or down._forward_pre_hooks or "forward" in down.__dict__:
         return None
-    base = down.base_layer
+    modules = down._modules  # direct reads: nn.Module.__getattr__ costs host time on this per-call path
+    base = modules["base_layer"]
     if down.disable_adapters:
         return None if down.merged else (base, ())
     if down.merged:
         return base, ()
-    names = tuple(a for a in down.active_adapters if a in down.lora_A.keys())
+    lora_a = modules["lora_A"]._modules
+    names = tuple(a for a in down.active_adapters if a in lora_a)
     if any(a in down.lora_variant for a in names):
         return None
     return base, names
@@ -241,8 +294,18 @@ def down_update(down: nn.Module, names: tuple[str, ...], h: torch.Tensor, result
     """`result` (the base layer's output on h) plus the update of each named adapter of PEFT's
     LoRA Linear `down`, computed and cast back to result's dtype as its forward does."""
     dtype = result.dtype
+    modules = down._modules  # direct reads: nn.Module.__getattr__ costs host time on this per-call path
     for name in names:
-        lora_a, lora_b = down.lora_A[name], down.lora_B[name]
-        h = down._cast_input_dtype(h, lora_a.weight.dtype)
-        result = result + lora_b(lora_a(down.lora_dropout[name](h))) * down.scaling[name]
+        lora_a, lora_b, drop = (modules[n]._modules[name] for n in ("lora_A", "lora_B", "lora_dropout"))
+        if type(lora_a) is nn.Linear and type(lora_b) is nn.Linear and not (
+                lora_a._forward_hooks or lora_a._forward_pre_hooks or lora_b._forward_hooks or lora_b._forward_pre_hooks):
+            a, b = lora_a._parameters, lora_b._parameters
+            h = down._cast_input_dtype(h, a["weight"].dtype)
+            if type(drop) is not nn.Identity and drop.training:
+                h = drop(h)
+            update = F.linear(F.linear(h, a["weight"], a["bias"]), b["weight"], b["bias"])  # their forward
+        else:
+            h = down._cast_input_dtype(h, lora_a.weight.dtype)
+            update = lora_b(lora_a(drop(h)))
+        result = result + update * down.scaling[name]
     return result.to(dtype)

@@ -37,7 +37,8 @@ from torch.nn.modules import module as _torch_module
 from .functional import gated_linear_interleaved
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import deinterleave_gate_up, gate_up_rows, interleave_gate_up
-from .low_rank import down_adapters, down_update, gated_linear_low_rank, low_rank_operands
+from .low_rank import (down_adapters, down_update, gated_linear_low_rank, inference_low_rank_operands,
+                       low_rank_operands)
 from .optimizer import mark_packed
 from .training import gated_mlp_interleaved
 from .registry import MLPFamily
@@ -131,10 +132,10 @@ class FusedGatedMLP(nn.Module):
         down = modules[self.family.down]
         x_lr = b_lr = None
         wrapped = [m for name in self._packed_names if type(m := modules[name]) is not PackedProjection]
-        if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
-            x_lr, b_lr = low_rank_operands(wrapped, x)
-        kind, base, names = _down_kind(down)
         grad = torch.is_grad_enabled()
+        if wrapped:  # LoRA layers over the packed projections: their update rides in the same GEMM
+            x_lr, b_lr = low_rank_operands(wrapped, x) if grad else inference_low_rank_operands(self, wrapped, x)
+        kind, base, names = _down_kind(down)
         trains = grad and kind == "plain" and any(
             t is not None and t.requires_grad for t in (x, weight, bias, base.weight, base.bias, x_lr, b_lr))
         name = _ROUTE_OF[grad, kind, trains, x_lr is not None]
@@ -152,10 +153,11 @@ class FusedGatedMLP(nn.Module):
             h = gated_linear_low_rank(x, weight, bias, x_lr, b_lr, self.epilogue, self.backend)
         else:
             h = gated_linear_interleaved(x, weight, bias, self.epilogue, self.backend)
-        if kind == "plain":  # nn.Linear.forward, without __call__
-            down_params = down._parameters
-            return F.linear(h, down_params["weight"], down_params["bias"])
-        return down(h)
+        if kind == "module":
+            return down(h)
+        base_params = base._parameters  # nn.Linear.forward, without __call__
+        y = F.linear(h, base_params["weight"], base_params["bias"])
+        return y if kind == "plain" else down_update(down, names, h, y)
 
     def routes(self) -> tuple[str, str]:
         """(the route of a call with autograd on, without), for x that requires no grad."""

@@ -22,8 +22,11 @@ def test_dry_run_checks_every_way_against_float64(tmp_path):
     assert set(errors) == {"peft", "ours"}
     for way, errs in errors.items():  # fp32 against float64: the adapters' gradients reached, and right
         assert set(errs) == {"y", "dx", "adapters"} and max(errs.values()) < 1e-5, (way, errs)
+    per_call = data["rows"][2]["per_call"]  # the decode row, timed per call as generate makes them
+    assert set(per_call) == {"peft", "ours", "base"}
+    assert all(0 < t["host_us"] and 0 < t["eager_us"] for t in per_call.values())
     md = (tmp_path / "results.md").read_text()
-    assert "| train | 4 | 9 |" in md and "liger: not run" in md
+    assert "| train | 4 | 9 |" in md and "liger: not run" in md and "| 4 | 1 | " in md
     (tmp_path / "results.md").unlink()
     assert bench_lora.main(["--render", str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "results.md").read_text() == md

@@ -183,6 +183,43 @@ def test_several_adapters_disable_and_merge_round_trip(order):
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_inference_follows_every_change_to_the_adapters(family):
+    """Calls without autograd keep the stacked A and packed B between calls: an optimizer's in-place
+    step, a replaced .data, a new scale and a switched adapter each reach the next call."""
+    _, ref, ours = peft_pair(family, "patch_then_peft", init_lora_weights=False, lora_dropout=0.0)
+    ids = token_batches(1, 2, 9, 128)[0]
+    ref.eval(), ours.eval()
+
+    def agree(what):
+        with torch.no_grad():
+            assert rel_err(ours(ids).logits, ref(ids).logits) < 1e-6, what
+
+    def both(fn):
+        for model in (ref, ours):
+            for name, p in model.named_parameters():
+                if "lora_" in name and any(t in name for t in PACKED[family]):
+                    fn(name, p)
+
+    agree("first call")
+    assert "_swiglu_low_rank_cache" in vars(mlp(ours))
+    with torch.no_grad():
+        both(lambda name, p: p.mul_(1.5))  # in place, as an optimizer step
+    agree("after an in-place update")
+    both(lambda name, p: setattr(p, "data", p.data * -0.5))  # a new storage under the same parameter
+    agree("after replacing .data")
+    for model in (ref, ours):
+        for module in model.modules():
+            if isinstance(module, LoraLinear):
+                module.scaling["default"] *= 3
+    agree("after a new scaling")
+    for model in (ref, ours):
+        model.add_adapter("other", lora_config(family, r=2, init_lora_weights=False, lora_dropout=0.0))
+    set_peft_model_state_dict(ours, get_peft_model_state_dict(ref, adapter_name="other"), adapter_name="other")
+    ref.base_model.set_adapter("other"), ours.base_model.set_adapter("other")
+    agree("after switching adapters")
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_unpatch_keeps_adapters_only_when_set_aside(family):
     _, ref, ours = peft_pair(family, "patch_then_peft", init_lora_weights=False)
     with pytest.raises(ValueError, match="would drop its adapters"):
