@@ -104,7 +104,7 @@ def _first_difference(g: dict) -> str:
     differ = [n for n in eq if n < new]
     if not differ:
         return f"all {len(eq)} equal"
-    return f"{len(differ)} of {len(eq)} differ, first at token {min(differ)}"
+    return f"{len(differ)} of {len(eq)} differ, the earliest at new token {min(differ)} (0-based)"
 
 
 def _generate(data: dict) -> list[str]:
