@@ -222,15 +222,20 @@ def spec_of(module: nn.Module) -> ExpertsSpec:
     return spec
 
 
+MODES = ("store", "recompute")
+
+
 def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """The `ExpertsInterface` function registered as `IMPLEMENTATION`: hidden_states [T, K],
     top_k_index and top_k_weights [T, top_k] -> [T, K], in hidden_states' dtype.
 
     On CUDA (or with backend "triton") the fused kernels run; on CPU `experts_reference`. Where
-    autograd needs a gradient (the fused experts have no backward yet) the implementation the
-    module's config had before (`_training_forward`) runs instead. A module set by
-    `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
+    autograd needs a gradient, the kernels run as ``swiglu_patch::experts_train``, whose
+    registered backward (`kernels/experts_backward.py`) gives x, the 3-D weights, the biases and
+    the routing weights their gradients, saving what the module's mode says (`set_experts_mode`:
+    "store" keeps the pairs' [S, 2I] pre-activation, "recompute" only x); `experts_reference` is
+    differentiable as it is. A module set by `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
 
     Raises:
         ValueError: the module's math is not one the fused kernels run (`experts_spec`).
@@ -241,10 +246,6 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     gate_up_bias = params["gate_up_proj_bias"] if spec.has_bias else None
     down_bias = params["down_proj_bias"] if spec.has_bias else None
     backend = module.__dict__.get("_swiglu_backend", "auto")
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
-    if needs_grad:  # training: transformers' own implementation, which has a backward
-        return _training_forward(module)(module, hidden_states, top_k_index, top_k_weights)
     if backend == "auto":
         backend = "triton" if hidden_states.is_cuda else "torch"
     elif backend == "triton":
@@ -253,23 +254,35 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
         return experts_reference(hidden_states, top_k_index, top_k_weights, gate_up, down, spec.epilogue, spec.layout,
                                  gate_up_bias, down_bias)
     epilogue, layout = spec.epilogue, spec.layout
+    args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha or 0.0, layout.transposed, layout.concatenated)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
+    if needs_grad:  # training: the op with the registered backward
+        store = module.__dict__.get("_swiglu_experts_mode", "store") == "store"
+        return ops.experts_train_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                                    *args, store)[0]
     if torch.compiler.is_compiling():  # one opaque op for the compiler
-        return ops.experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                              *ops.epilogue_args(epilogue.gated), epilogue.alpha or 0.0, layout.transposed,
-                              layout.concatenated)
+        return ops.experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *args)
     return ops.experts_kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue,
                                                  layout, gate_up_bias, down_bias)
 
 
-def _training_forward(module: nn.Module):
-    """transformers' experts forward the module ran before it was switched ("grouped_mm" when it
-    was loaded on ours), for calls that need a gradient."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+def set_experts_mode(model: nn.Module, mode: str) -> int:
+    """What training saves in every experts module `apply_fused_mlp` switched in `model`: "store"
+    (the default: x and the pairs' [T * top_k, 2I] pre-activation) or "recompute" (x only; the
+    backward runs the gated GEMM again). Returns how many modules were set.
 
-    previous = module.__dict__.get(_PREVIOUS) or "grouped_mm"
-    if previous == IMPLEMENTATION:
-        previous = "grouped_mm"
-    return ALL_EXPERTS_FUNCTIONS.get_interface(previous, type(module).forward.__wrapped__)
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"set_experts_mode: mode must be one of {MODES}, got {mode!r}")
+    count = 0
+    for module in model.modules():
+        if is_switched(module):
+            module.__dict__["_swiglu_experts_mode"] = mode
+            count += 1
+    return count
 
 
 def register_implementation() -> None:
@@ -333,5 +346,6 @@ def restore(model: nn.Module) -> int:
             module.config._experts_implementation_internal = module.__dict__.pop(_PREVIOUS)
             module.__dict__.pop("_swiglu_experts_spec", None)
             module.__dict__.pop("_swiglu_backend", None)
+            module.__dict__.pop("_swiglu_experts_mode", None)
             count += 1
     return count

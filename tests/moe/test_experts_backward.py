@@ -1,0 +1,229 @@
+"""The experts block's backward (`kernels/experts_backward.py`) against float64 autograd of `experts_reference`.
+
+On CPU the kernels run in Triton's interpreter (fp32 and fp16: the interpreter's bf16 dot is
+wrong); on a GPU the compiled kernels, bf16 included. Every check draws fresh random inputs,
+poisons every floating-point tensor the kernels allocate (NaN), and passes when each gradient
+is within twice the error of PyTorch's own autograd in that dtype against float64, plus a small
+epsilon. Then the registered op (`swiglu_patch::experts_train`) through autograd, and tiny
+Qwen3-MoE and gpt-oss models trained a few steps on the kernels against eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import rel_err
+from swiglu_patch import apply_fused_mlp, ops
+from swiglu_patch.experts import set_experts_mode
+from swiglu_patch.kernels import dispatch
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.kernels.experts_backward import GRADIENTS, experts_backward, experts_forward_with_preact
+from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
+from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
+from zoo.tiny_zoo import build
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+EPS = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+LAYOUTS = [ExpertsLayout(), ExpertsLayout(transposed=True, concatenated=False), ExpertsLayout(transposed=True),
+           ExpertsLayout(concatenated=False)]
+EPILOGUES = {
+    "silu": ExpertsEpilogue(GatedEpilogue("silu")),
+    "gelu_tanh": ExpertsEpilogue(GatedEpilogue("gelu_tanh")),
+    "gelu": ExpertsEpilogue(GatedEpilogue("gelu")),
+    "scaled": ExpertsEpilogue(GatedEpilogue("silu", gate_scale=0.8, out_scale=1.3)),
+    "clamp_gate": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5, clamp="gate")),
+    "clamp_activation": ExpertsEpilogue(GatedEpilogue("silu", limit=0.5, clamp="activation")),
+    "gpt_oss": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5), alpha=1.702),
+}
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations(monkeypatch):
+    """Every floating-point tensor allocated with new_empty / empty_like during a test starts as NaN:
+    an element a kernel should write and does not, or a row it should not read and does, shows."""
+    new_empty, empty_like = torch.Tensor.new_empty, torch.empty_like
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def _weights(e, k, i, layout, bias, dtype, scale=1.0):
+    gate_up = torch.randn((e, k, 2 * i) if layout.transposed else (e, 2 * i, k)) * k ** -0.5
+    down = torch.randn((e, i, k) if layout.transposed else (e, k, i)) * i ** -0.5
+    gate_up_bias = torch.randn(e, 2 * i) * 0.3 if bias else None
+    down_bias = torch.randn(e, k) * 0.3 if bias else None
+    return tuple(None if t is None else (t * scale).to(DEVICE, dtype) for t in (gate_up, down, gate_up_bias, down_bias))
+
+
+def _routing(t, e, top_k, skew="uniform"):
+    logits = torch.randn(t, e)
+    if skew == "one_expert":  # every token's first choice is expert 0
+        logits[:, 0] = 100.0
+    if skew == "empty_expert":  # expert e-1 never chosen
+        logits[:, -1] = -100.0
+    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return index.to(DEVICE), weights.to(DEVICE)
+
+
+def _autograd(x, index, weights, w, epilogue, layout, dout):
+    """Gradients in `GRADIENTS` order by autograd of the reference, in the inputs' dtype."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, *w, weights)]
+    out = experts_reference(leaves[0], index, leaves[5], *leaves[1:3], epilogue, layout, *leaves[3:5])
+    out.backward(dout)
+    return [None if t is None else t.grad for t in leaves]
+
+
+def _check(x, index, weights, w, epilogue, layout, dtype, store=True, **kw):
+    """Ours (store or recompute mode) against float64 autograd, within 2x torch's own error in dtype."""
+    dout = torch.randn(x.shape[0], w[1].shape[2] if layout.transposed else w[1].shape[1]).to(DEVICE, dtype)
+    f64 = lambda t: None if t is None else t.double()  # noqa: E731
+    ref = _autograd(f64(x), index, f64(weights), [f64(t) for t in w], epilogue, layout, dout.double())
+    theirs = _autograd(x, index, weights, w, epilogue, layout, dout)
+    preact = None
+    if store:
+        out, preact = experts_forward_with_preact(x, index, weights, *w[:2], epilogue, layout, *w[2:], **kw)
+        out_ref = experts_reference(*(f64(t) for t in (x,)), index, f64(weights), *(f64(t) for t in w[:2]), epilogue,
+                                    layout, *(f64(t) for t in w[2:]))
+        assert rel_err(out, out_ref) <= 2 * rel_err(experts_reference(x, index, weights, *w[:2], epilogue, layout,
+                                                                      *w[2:]), out_ref) + EPS[dtype]
+    ours = experts_backward(dout, x, index, weights, *w[:2], epilogue, layout, *w[2:], preact=preact, **kw)
+    for name, o, r, t in zip(GRADIENTS, ours, ref, theirs):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.shape == r.shape and o.dtype == t.dtype, name
+        assert not o.isnan().any(), f"d{name}: an element was not written"
+        err, bound = rel_err(o, r), 2 * rel_err(t, r) + EPS[dtype]
+        assert err <= bound, f"d{name}: error {err:.3g} vs torch's own {rel_err(t, r):.3g} ({dtype})"
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe())
+def test_every_gradient_in_both_modes_and_layouts(layout, dtype, store):
+    """K and I off every block, biases, a sentinel slot (an expert-parallel id >= E)."""
+    e, k, i, top_k, t = 5, 40, 24, 2, 7
+    w = _weights(e, k, i, layout, True, dtype)
+    x = torch.randn(t, k).to(DEVICE, dtype)
+    index, weights = _routing(t, e, top_k)
+    index[2, 1] = e
+    _check(x, index, weights, w, EPILOGUES["silu"], layout, dtype, store)
+
+
+@pytest.mark.parametrize("name", list(EPILOGUES))
+def test_every_epilogue_at_large_magnitudes(name):
+    """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed, biased layout."""
+    layout = LAYOUTS[1] if name == "gpt_oss" else LAYOUTS[0]
+    w = _weights(4, 24, 16, layout, name == "gpt_oss", torch.float32)
+    x = torch.randn(6, 24).to(DEVICE) * 6.0
+    index, weights = _routing(6, 4, 2)
+    _check(x, index, weights, w, EPILOGUES[name], layout, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["one_token", "one_expert", "empty_expert", "sentinels", "non_contiguous", "large"])
+def test_routing_and_operand_edge_cases(case):
+    dtype, layout, e, k, i = torch.float32, LAYOUTS[0], 4, 32, 16
+    t, top_k, skew = {"one_token": (1, 2, "uniform"), "one_expert": (21, 2, "one_expert"),
+                      "empty_expert": (21, 2, "empty_expert")}.get(case, (9, 2, "uniform"))
+    w = _weights(e, k, i, layout, True, dtype, scale=30.0 if case == "large" else 1.0)
+    x = torch.randn(t, k).to(DEVICE, dtype) * (30.0 if case == "large" else 1.0)
+    index, weights = _routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+        index[3, :] = e + 3  # a token with no local expert at all: zero gradient
+    if case == "non_contiguous":
+        x = torch.randn(2 * t, 2 * k).to(DEVICE, dtype)[::2, ::2]
+        w = (w[0].transpose(1, 2).contiguous().transpose(1, 2), *w[1:])
+    _check(x, index, weights, w, EPILOGUES["silu"], layout, dtype)
+    if case == "sentinels":
+        grads = experts_backward(torch.randn(t, k, device=DEVICE), x, index, weights, *w[:2], EPILOGUES["silu"],
+                                 layout, *w[2:])
+        assert torch.equal(grads[0][3], torch.zeros_like(grads[0][3]))
+        assert torch.equal(grads[5][index >= e], torch.zeros_like(grads[5][index >= e]))
+
+
+@pytest.mark.parametrize("rule", range(len(EXPERTS_BACKWARD_RULES)))
+def test_every_rule_tile(rule):
+    layout = LAYOUTS[1]
+    w = _weights(3, 40, 24, layout, True, torch.float32)
+    x = torch.randn(11, 40).to(DEVICE)
+    index, weights = _routing(11, 3, 2)
+    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.float32, store=False,
+           kernel="experts_backward_grouped", config=EXPERTS_BACKWARD_RULES[rule].config)
+
+
+def test_only_the_gradients_asked_for_and_the_routing_weights_dtype():
+    dtype = torch.float16
+    w = _weights(4, 32, 16, LAYOUTS[0], False, dtype)
+    x = torch.randn(5, 32).to(DEVICE, dtype)
+    index, weights = _routing(5, 4, 2)  # fp32 routing weights beside fp16 experts
+    dout = torch.randn(5, 32).to(DEVICE, dtype)
+    grads = experts_backward(dout, x, index, weights, *w[:2], EPILOGUES["silu"], needs=(True, False, False, True,
+                                                                                         True, True))
+    assert grads[1] is grads[2] is grads[3] is grads[4] is None  # not asked for, or no bias
+    assert grads[0].dtype == dtype and grads[5].dtype == torch.float32
+    with pytest.raises(ValueError, match="dout must be"):
+        experts_backward(dout[:, :8], x, index, weights, *w[:2], EPILOGUES["silu"])
+    with pytest.raises(ValueError, match="preact must be"):
+        experts_backward(dout, x, index, weights, *w[:2], EPILOGUES["silu"], preact=x)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        set_experts_mode(torch.nn.Linear(1, 1), "keep")
+
+
+def test_the_planner_names_the_backward_rule():
+    text = dispatch.explain("NVIDIA H100 80GB HBM3", torch.bfloat16, 16384, 2048, 768, op="experts_backward")
+    assert "experts_backward_grouped CHOSEN" in text and "not yet timed" in text
+    assert dispatch.choose("cpu", torch.float32, 3, 40, 24, op="experts_backward")[1] is EXPERTS_BACKWARD_RULES[0]
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+def test_the_registered_op_through_autograd(store):
+    """`swiglu_patch::experts_train`: every input's gradient by autograd, as float64 autograd of the reference."""
+    layout, epilogue = LAYOUTS[1], EPILOGUES["gpt_oss"]
+    w = _weights(4, 24, 16, layout, True, torch.float32)
+    x = torch.randn(6, 24, device=DEVICE)
+    index, weights = _routing(6, 4, 2)
+    dout = torch.randn(6, 24, device=DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (x, weights, *w)]
+    args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha, layout.transposed, layout.concatenated, store)
+    out, preact = ops.experts_train_op(leaves[0], index, *leaves[1:], *args)
+    assert preact.shape == ((12, 32) if store else (0,))
+    out.backward(dout)
+    ref = [t.double().requires_grad_() for t in (x, weights, *w)]
+    experts_reference(ref[0], index, ref[1], *ref[2:4], epilogue, layout, *ref[4:]).backward(dout.double())
+    for mine, theirs in zip(leaves, ref):
+        assert rel_err(mine.grad, theirs.grad) < 1e-5
+
+
+def _train(model, ids, steps, lr=0.5):
+    """Losses and router auxiliary losses of `steps` SGD steps."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        out = model(ids, labels=ids, output_router_logits=True)
+        (out.loss + (0 if out.aux_loss is None else 0.01 * out.aux_loss)).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append((out.loss.item(), None if out.aux_loss is None else out.aux_loss.item()))
+    return losses
+
+
+@pytest.mark.parametrize("model_type, mode", [("qwen3_moe", "store"), ("gpt_oss", "recompute")])
+def test_a_tiny_moe_trains_as_eager_on_the_kernels(model_type, mode):
+    """A few SGD steps, fp32: the loss and the router's auxiliary loss equal eager's to 1e-5 at every step."""
+    ids = torch.randint(3, 100, (2, 9), device=DEVICE)
+    runs = []
+    for patched in (False, True):
+        model = build(model_type).model.to(DEVICE).train()
+        if patched:
+            apply_fused_mlp(model, backend="triton")
+            assert set_experts_mode(model, mode) > 0
+        runs.append(_train(model, ids, 3))
+    for (loss0, aux0), (loss1, aux1) in zip(*runs):
+        assert abs(loss1 - loss0) <= 1e-5 * abs(loss0)
+        assert aux0 is not None and abs(aux1 - aux0) <= 1e-5 * abs(aux0)
