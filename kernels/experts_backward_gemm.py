@@ -226,6 +226,7 @@ def _experts_dx_kernel(
 
 
 CAPABILITY = KernelCapability("experts_backward_grouped", ops=("experts_backward",))
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined operand tiles may take (H100: 227 KiB a block)
 
 
 def can_run(*tensors) -> bool:
@@ -250,24 +251,30 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     dx is [T, K] and dweights [T, TOP_K] in top_k_weights' dtype. Arguments are checked by the
     caller (`experts_backward.experts_backward`)."""
     step = 1 if layout.concatenated else 2
-    tiles = dict(BLOCK_M=config.block_m, num_warps=config.num_warps, num_stages=config.num_stages)
-    grouped = dict(tiles, GROUP_M=config.group_m)
-
-    def by_precision(kernel, **constexprs):
-        return {p: FastLaunch(kernel, dict(constexprs, INPUT_PRECISION=p)) for p in ("tf32", "ieee")}
-
-    recompute = by_precision(_experts_gated_gemm_kernel, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias,
-                             STORE_PREACT=True, **epilogue, BLOCK_N=config.block_n, BLOCK_K=config.block_k, **grouped)
-    dh = by_precision(_experts_dh_kernel, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
-                      BLOCK_N=config.block_n, BLOCK_K=config.block_k, **grouped)
-    wgrad_constexprs = dict(TOP_K=top_k, HAS_BIAS=has_bias, BLOCK_A=config.wgrad_block_a,
-                            BLOCK_B=config.wgrad_block_b, **tiles)
-    dwd = by_precision(_experts_wgrad_kernel, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True, **wgrad_constexprs)
-    dwgu = by_precision(_experts_wgrad_kernel, A_BY_TOKEN=False, B_BY_TOKEN=True, BIAS_WEIGHTED=False,
-                        **wgrad_constexprs)
-    dx_kernel = by_precision(_experts_dx_kernel, BLOCK_N=config.dx_block_n, BLOCK_K=config.dx_block_k, **grouped)
-    combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
     bm = config.block_m
+
+    def variants(kernel, stage_elems: int, **constexprs):
+        """Launchers per (tl.dot precision, element size): the pipeline's stages cut to fit
+        `SMEM_BUDGET` where a stage of `stage_elems` elements would not (fp32 tiles)."""
+        return {(p, size): FastLaunch(kernel, dict(
+            constexprs, INPUT_PRECISION=p, BLOCK_M=bm, num_warps=config.num_warps,
+            num_stages=max(1, min(config.num_stages, SMEM_BUDGET // (stage_elems * size)))))
+            for p in ("tf32", "ieee") for size in (2, 4)}
+
+    bk, bn = config.block_k, config.block_n
+    recompute = variants(_experts_gated_gemm_kernel, bm * bk + 2 * bk * bn, TOP_K=top_k, GATE_STEP=step,
+                         HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m)
+    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m)
+    ba, bb = config.wgrad_block_a, config.wgrad_block_b
+    wgrad = dict(TOP_K=top_k, HAS_BIAS=has_bias, BLOCK_A=ba, BLOCK_B=bb)
+    dwd = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True,
+                   **wgrad)
+    dwgu = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=False, B_BY_TOKEN=True, BIAS_WEIGHTED=False,
+                    **wgrad)
+    dxn, dxk = config.dx_block_n, config.dx_block_k
+    dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m)
+    combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
     def launch(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs):
         need_x, need_gu, need_d, need_gub, need_db, need_w = needs
@@ -275,7 +282,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         num_pairs, num_experts = t * top_k, gate_up.shape[0]
         inter = gate_up.shape[1 + layout.transposed] >> 1
         k_out = dout.shape[1]
-        precision = _precision(x.dtype)
+        precision = (_precision(x.dtype), x.element_size())
         device = x.get_device()
         up_shift = inter if step == 1 else 1
         sorted_pairs, block_expert = expert_blocks(top_k_index, num_experts, bm)

@@ -213,6 +213,7 @@ def _train(model, ids, steps, lr=0.5):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, mode", [("qwen3_moe", "store"), ("gpt_oss", "recompute")])
 def test_a_tiny_moe_trains_as_eager_on_the_kernels(model_type, mode):
     """A few SGD steps, fp32: the loss and the router's auxiliary loss equal eager's to 1e-5 at every step."""

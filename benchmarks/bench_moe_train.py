@@ -1,0 +1,290 @@
+"""Training one MoE experts block (forward + backward): the fused experts against transformers' paths and Liger.
+
+    python -m benchmarks.bench_moe_train --out OUT [--shapes qwen3-30b-a3b olmoe-1b-7b] [--tokens 4096 16384]
+    python -m benchmarks.bench_moe_train --dry-run --out /tmp/moe_train    # CPU, tiny shape, fp32
+    python -m benchmarks.bench_moe_train --render OUT/results.json          # markdown only
+
+The experts module of a real model's shape as transformers builds it (`bench_moe.build_experts`:
+random bf16 weights from one seed, uniform routing), its parameters, x and the routing weights
+requiring gradients. Ways, each on the same module, inputs and output gradient dOut:
+
+- ours_store, ours_recompute: transformers calling our registered implementation
+  (`swiglu_patch.experts.fused_experts_forward`, the op ``swiglu_patch::experts_train`` and its
+  registered backward), saving the pairs' [T*k, 2I] pre-activation or x only;
+- grouped_mm, eager: transformers' implementations (`config._experts_implementation`); eager
+  only up to --eager-max tokens;
+- liger: Liger-Kernel's `LigerFusedMoEFunction` (SiLU, chunked layout), when installed.
+
+Per way and row: fwd+bwd milliseconds (CUDA events around eager calls, median:
+`harness.timing.EventTimer`), TFLOP/s counted as 18*T*k*K*I (the six GEMMs of forward and
+backward), saved MiB (memory allocated after the forward, less the output), peak MiB above what
+was allocated before the forward, and every gradient's relative error against float64
+autograd of `experts_reference` on the same inputs (the routing weights' included). The
+targets (issue's step 2): fwd+bwd at least 2x grouped_mm's speed and 1.6x Liger's; store mode
+saving no more than Liger; gradients within 2x grouped_mm's own error.
+
+Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+from swiglu_patch.inputs import positive_int
+from swiglu_patch.provenance import environment
+
+from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
+from .harness.cli import Parser, guarded, render_or_run, require_cuda
+
+PROG = "python -m benchmarks.bench_moe_train"
+SCHEMA = 1
+WAYS = ("ours_store", "ours_recompute", "grouped_mm", "liger", "eager")
+SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b")
+GRADS = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+MIB = 2**20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = Parser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, help="output folder (required to measure; --render: default the JSON's)")
+    p.add_argument("--shapes", nargs="+", choices=[s.name for s in MOE_SHAPES], default=list(SHAPES))
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=[4096, 16384])
+    p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    p.add_argument("--eager-max", type=int, default=16384, help="largest T timed on transformers' eager loop")
+    p.add_argument("--reps", type=positive_int, default=10, help="timed calls per way in each of 3 rounds")
+    p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dry-run", action="store_true", help="CPU: tiny shape, fp32, Triton interpreter, no timing")
+    p.add_argument("--render", type=Path, help="rebuild results.md from this results.json and exit")
+    args = p.parse_args(argv)
+    if not args.render and args.out is None:
+        p.error("--out is required (or --render a results.json)")
+    return args
+
+
+def flops(shape: MoEShape, tokens: int) -> float:
+    """The six GEMMs of forward and backward: 3 x (2 T k K 3I) = 18 T k K I."""
+    return 18.0 * tokens * shape.top_k * shape.k * shape.i
+
+
+def leaves_of(module, x, w) -> dict:
+    """The tensors that receive gradients, by `GRADS` name (biases where the module has them)."""
+    leaves = {"x": x, "top_k_weights": w}
+    for name in GRADS[2:]:
+        p = getattr(module, name, None)
+        if isinstance(p, torch.nn.Parameter):
+            leaves[name] = p
+    return leaves
+
+
+def way_fn(name: str, module, x, idx, w):
+    """A callable running one forward of way `name` on the module and inputs (None: not available)."""
+    if name == "liger":
+        try:
+            from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+        except ImportError:
+            return None
+        idx32 = idx.to(torch.int32)
+        return lambda: LigerFusedMoEFunction.apply(x, module.gate_up_proj, module.down_proj, idx32, w.to(x.dtype))
+    if name.startswith("ours"):
+        from swiglu_patch.experts import IMPLEMENTATION, register_implementation
+
+        register_implementation()
+        impl, mode = IMPLEMENTATION, name.split("_", 1)[1]
+    else:
+        impl, mode = name, None
+
+    def call():
+        module.config._experts_implementation = impl
+        if mode is not None:
+            module.__dict__["_swiglu_experts_mode"] = mode
+            module.__dict__["_swiglu_backend"] = "triton"  # the kernels (the interpreter in a dry run)
+        return module(x, idx, w)
+    return call
+
+
+def step_fn(fn, leaves: dict, dout):
+    """One training step of a way: gradients cleared, forward, backward."""
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        fn().backward(dout)
+    return step
+
+
+def reference_grads(module, x, idx, w, dout) -> dict:
+    """Every leaf's gradient by float64 autograd of `experts_reference`."""
+    from swiglu_patch.experts import experts_spec
+    from swiglu_patch.kernels.experts_reference import experts_reference
+
+    spec = experts_spec(module)
+    leaves = {k: v.detach().double().requires_grad_() for k, v in leaves_of(module, x, w).items()}
+    out = experts_reference(leaves["x"], idx, leaves["top_k_weights"], leaves["gate_up_proj"], leaves["down_proj"],
+                            spec.epilogue, spec.layout, leaves.get("gate_up_proj_bias"), leaves.get("down_proj_bias"))
+    out.backward(dout.double())
+    return {k: v.grad for k, v in leaves.items()}
+
+
+def errors_of(step, leaves: dict, ref: dict) -> dict:
+    """Relative error of each gradient of one step against the float64 reference."""
+    step()
+    return {k: float((t.grad.double() - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k, t in leaves.items()}
+
+
+def memory_of(fn, leaves: dict, dout) -> dict:
+    """saved MiB (allocated after the forward, less the output) and peak MiB above the start, on CUDA."""
+    if not dout.is_cuda:
+        return {"saved_mib": None, "peak_mib": None}
+    for t in leaves.values():
+        t.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
+    out.backward(dout)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    for t in leaves.values():
+        t.grad = None
+    return {"saved_mib": saved / MIB, "peak_mib": peak / MIB}
+
+
+def targets(ways: dict) -> dict:
+    """The issue's verdicts on one row (None where a comparator is missing)."""
+    def get(way, key):
+        return ways.get(way, {}).get(key)
+
+    def ratio_at_least(a, b, x):
+        return None if a is None or b is None else b / a >= x
+
+    out = {}
+    for mode in ("store", "recompute"):
+        ours = get(f"ours_{mode}", "ms")
+        out[f"{mode}: >= 2x grouped_mm's speed"] = ratio_at_least(ours, get("grouped_mm", "ms"), 2.0)
+        out[f"{mode}: >= 1.6x Liger's speed"] = ratio_at_least(ours, get("liger", "ms"), 1.6)
+    saved, liger_saved = get("ours_store", "saved_mib"), get("liger", "saved_mib")
+    out["store: saved <= Liger's"] = None if saved is None or liger_saved is None else saved <= liger_saved
+    ref = get("grouped_mm", "errors")
+    for mode in ("store", "recompute"):
+        errs = get(f"ours_{mode}", "errors")
+        out[f"{mode}: every gradient within 2x grouped_mm's error"] = (
+            None if not ref or not errs else all(errs[k] <= 2 * ref[k] for k in ref if k in errs))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .harness.timing import EventTimer
+
+    dry = args.dry_run
+    device = "cpu" if dry else "cuda"
+    dtype = torch.float32 if dry else torch.bfloat16
+    shapes = [TINY] if dry else [s for s in MOE_SHAPES if s.name in args.shapes]
+    tokens_list = [5, 37] if dry else args.tokens
+    timer = None if dry else EventTimer(cuda=True, reps=args.reps, rounds=3, warmup=2)
+    rows = []
+    for shape in shapes:
+        module = build_experts(shape, device, dtype, args.seed).requires_grad_(True)
+        for tokens in tokens_list:
+            idx, w = routing(shape, tokens, "uniform", device, args.seed)
+            gen = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, shape.k, generator=gen).to(device, dtype).requires_grad_()
+            w = w.requires_grad_()
+            dout = (torch.randn(tokens, shape.k, generator=gen) * shape.k ** -0.5).to(device, dtype)
+            leaves = leaves_of(module, x, w)
+            ref = reference_grads(module, x, idx, w, dout)
+            row = {"shape": shape.name, "tokens": tokens, "flops": flops(shape, tokens), "ways": {}}
+            steps = {}
+            for name in args.ways:
+                if (name == "eager" and tokens > args.eager_max) or (name == "liger" and (dry or shape.gpt_oss)):
+                    continue
+                fn = way_fn(name, module, x, idx, w)
+                if fn is None:
+                    continue
+                try:
+                    errors = errors_of(step_fn(fn, leaves, dout), leaves, ref)
+                    row["ways"][name] = {"errors": errors, "max_error": max(errors.values()),
+                                         **memory_of(fn, leaves, dout)}
+                    steps[name] = step_fn(fn, leaves, dout)
+                except torch.OutOfMemoryError as e:  # a way that cannot run this row is recorded, not fatal
+                    row["ways"][name] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
+                    torch.cuda.empty_cache()
+            if not dry and steps:
+                times = timer.many(steps)
+                for name, seconds in times.items():
+                    row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
+            row["targets"] = targets(row["ways"])
+            rows.append(row)
+            print(_line(row), flush=True)
+            del steps, leaves, ref, x, w, dout
+        module.config._experts_implementation = "grouped_mm"
+        del module
+        if not dry:
+            torch.cuda.empty_cache()
+    return {"kind": "moe_train", "schema": SCHEMA, "environment": environment(device, args.commit),
+            "dtype": str(dtype), "timer": None if dry else timer.describe(),
+            "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _line(row: dict) -> str:
+    parts = [f"{k}: {_fmt(v.get('ms'), '.2f')} ms {_fmt(v.get('tflops'), '.0f')} TF/s saved "
+             f"{_fmt(v.get('saved_mib'), '.0f')} MiB err {_fmt(v.get('max_error'), '.1e')}" if "error" not in v
+             else f"{k}: {v['error']}" for k, v in row["ways"].items()]
+    return f"{row['shape']} T={row['tokens']}: " + " | ".join(parts)
+
+
+def render_markdown(data: dict) -> str:
+    env = data["environment"]
+    gpu, versions = env.get("gpu") or {}, env.get("versions") or {}
+    lines = ["# MoE experts block, training (forward + backward)", "",
+             f"GPU: {gpu.get('name')}; torch {versions.get('torch')}, triton {versions.get('triton')}, transformers "
+             f"{versions.get('transformers')}, liger-kernel {versions.get('liger-kernel')}; {data['dtype']}; commit "
+             f"{(env.get('git') or {}).get('commit')}.", f"Timer: {data.get('timer')}.", "",
+             "TFLOP/s counts 18*T*k*K*I. saved: MiB allocated after the forward, less the output. peak: MiB above "
+             "the start during forward + backward. err: the largest relative error of any gradient against float64.",
+             "", "| shape | T | way | fwd+bwd ms | TFLOP/s | saved MiB | peak MiB | err | " + " | ".join(
+                 f"err d{g}" for g in GRADS[:4]) + " |", "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * 4]
+    for r in data["rows"]:
+        for name, v in r["ways"].items():
+            if "error" in v:
+                lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {v['error']} |" + " |" * 11)
+                continue
+            errs = v.get("errors", {})
+            lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {_fmt(v.get('ms'), '.2f')} | "
+                         f"{_fmt(v.get('tflops'), '.0f')} | {_fmt(v.get('saved_mib'), '.0f')} | "
+                         f"{_fmt(v.get('peak_mib'), '.0f')} | {_fmt(v.get('max_error'), '.1e')} | "
+                         + " | ".join(_fmt(errs.get(g), ".1e") for g in GRADS[:4]) + " |")
+    lines += ["", "## Targets", "", "| shape | T | target | met |", "|---|---:|---|---|"]
+    for r in data["rows"]:
+        for name, met in r["targets"].items():
+            lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {'-' if met is None else 'yes' if met else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    if not args.render and not args.dry_run:
+        require_cuda(PROG)
+    return render_or_run(args, "moe_train", SCHEMA, run, render_markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; a problem with the arguments or the machine is one line and exit code 2."""
+    return guarded(PROG, _main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
