@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
     p.add_argument("--eager-max", type=int, default=16384, help="largest T timed on transformers' eager loop")
     p.add_argument("--reps", type=positive_int, default=10, help="timed calls per way in each of 3 rounds")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time our backward alone (recompute mode) with each candidate config of SWEEP per row")
+    p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of one step of each of our modes")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shape, fp32, Triton interpreter, no timing")
@@ -70,6 +73,52 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def flops(shape: MoEShape, tokens: int) -> float:
     """The six GEMMs of forward and backward: 3 x (2 T k K 3I) = 18 T k K I."""
     return 18.0 * tokens * shape.top_k * shape.k * shape.i
+
+
+def sweep_configs() -> dict:
+    """Candidate configs of our backward that --sweep times (the rule's first)."""
+    from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
+
+    return {
+        "rule": None,
+        "b128_dh128x64": C(128, 128, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
+        "b128_s4": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=4),
+        "b128_w4": C(128, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
+        "b64_w4": C(64, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
+        "b128_k128s2": C(128, 64, 128, 128, 128, 128, 128, num_warps=8, num_stages=2),
+        "b128_dx256_w128x256": C(128, 64, 64, 256, 64, 128, 256, num_warps=8, num_stages=3),
+        "b128_w64x128": C(128, 64, 64, 128, 64, 64, 128, num_warps=4, num_stages=3),
+    }
+
+
+def sweep_fns(module, x, idx, w, dout) -> dict:
+    """Our backward alone (recompute mode, every gradient), once per `sweep_configs` entry."""
+    from swiglu_patch.experts import experts_spec
+    from swiglu_patch.kernels.experts_backward import experts_backward
+
+    spec = experts_spec(module)
+    args = (dout, x.detach(), idx, w.detach(), module.gate_up_proj.detach(), module.down_proj.detach(), spec.epilogue,
+            spec.layout)
+    return {f"backward[{name}]": (lambda c=config: experts_backward(
+        *args, kernel="auto" if c is None else "experts_backward_grouped", config=c))
+        for name, config in sweep_configs().items()}
+
+
+def profile_of(step) -> dict:
+    """{kernel name: CUDA microseconds} of one call of `step`, the largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us and e.device_type.name == "CUDA":
+            times[e.key[:80]] = us
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
 def leaves_of(module, x, w) -> dict:
@@ -222,6 +271,11 @@ def run(args: argparse.Namespace) -> dict:
                 times = timer.many(steps)
                 for name, seconds in times.items():
                     row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
+                if args.profile:
+                    row["profile_us"] = {name: profile_of(steps[name]) for name in steps if name.startswith("ours")}
+            if args.sweep and not dry:
+                with torch.no_grad():
+                    row["sweep_ms"] = {k: v * 1e3 for k, v in timer.many(sweep_fns(module, x, idx, w, dout)).items()}
             row["targets"] = targets(row["ways"])
             rows.append(row)
             print(_line(row), flush=True)
@@ -240,10 +294,11 @@ def _fmt(value, spec: str) -> str:
 
 
 def _line(row: dict) -> str:
+    sweep = " ".join(f"{k}={v:.2f}" for k, v in row.get("sweep_ms", {}).items())
     parts = [f"{k}: {_fmt(v.get('ms'), '.2f')} ms {_fmt(v.get('tflops'), '.0f')} TF/s saved "
              f"{_fmt(v.get('saved_mib'), '.0f')} MiB err {_fmt(v.get('max_error'), '.1e')}" if "error" not in v
              else f"{k}: {v['error']}" for k, v in row["ways"].items()]
-    return f"{row['shape']} T={row['tokens']}: " + " | ".join(parts)
+    return f"{row['shape']} T={row['tokens']}: " + " | ".join(parts) + (f" | sweep ms {sweep}" if sweep else "")
 
 
 def render_markdown(data: dict) -> str:
@@ -267,6 +322,11 @@ def render_markdown(data: dict) -> str:
                          f"{_fmt(v.get('tflops'), '.0f')} | {_fmt(v.get('saved_mib'), '.0f')} | "
                          f"{_fmt(v.get('peak_mib'), '.0f')} | {_fmt(v.get('max_error'), '.1e')} | "
                          + " | ".join(_fmt(errs.get(g), ".1e") for g in GRADS[:4]) + " |")
+    sweeps = [r for r in data["rows"] if r.get("sweep_ms")]
+    if sweeps:
+        lines += ["", "## Our backward alone (recompute mode) per config, ms", ""]
+        lines += [f"- {r['shape']} T={r['tokens']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep_ms"].items())
+                  for r in sweeps]
     lines += ["", "## Targets", "", "| shape | T | target | met |", "|---|---:|---|---|"]
     for r in data["rows"]:
         for name, met in r["targets"].items():
