@@ -188,22 +188,23 @@ def experts_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.
                         gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
                         down_bias: torch.Tensor | None, preact: torch.Tensor | None, activation: str, gate_scale: float,
                         out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool, concatenated: bool,
-                        needs: list[bool]) -> list[torch.Tensor]:
-    """[dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dtop_k_weights] of the experts block for dOut
+                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor]:
+    """(dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dtop_k_weights) of the experts block for dOut
     [T, K_out] (`kernels/experts_backward.py`), a 0-element tensor for each one `needs` leaves out;
     a stored P (`preact`, [S, 2I]) is overwritten with dP, None recomputes it."""
     epilogue, layout = _experts_args(activation, gate_scale, out_scale, clamp, limit, alpha, transposed, concatenated)
     grads = experts_training_kernels().experts_backward(dout, x, top_k_index, top_k_weights, gate_up, down, epilogue,
                                                         layout, gate_up_bias, down_bias, preact, tuple(needs))
-    return [x.new_empty(0) if g is None else g for g in grads]
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @experts_backward_op.register_fake
 def _(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, activation, gate_scale,
       out_scale, clamp, limit, alpha, transposed, concatenated, needs):
     likes = (x, gate_up, down, gate_up_bias, down_bias, top_k_weights)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) if n and t is not None else x.new_empty(0)
-            for t, n in zip(likes, needs)]
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if n and t is not None else x.new_empty(0)
+                 for t, n in zip(likes, needs))
 
 
 def _experts_setup_context(ctx, inputs, output):
