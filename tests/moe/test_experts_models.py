@@ -144,8 +144,8 @@ def test_a_wrong_reading_of_a_class_is_caught_by_the_probe(monkeypatch):
 
 
 def test_a_training_step_on_a_patched_moe_model_matches_the_unpatched_one():
-    """Where autograd needs a gradient the experts run transformers' own implementation: loss and every
-    gradient (experts and router included) as without the patch."""
+    """Where autograd needs a gradient the patched experts train on their own backward (on CPU through the
+    differentiable `experts_reference`): loss and every gradient (experts and router included) as without the patch."""
     ids = torch.randint(3, 100, (2, 9))
     grads = []
     for patched in (False, True):
