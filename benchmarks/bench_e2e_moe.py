@@ -23,9 +23,10 @@ in turns round by round, the order reversed every other round:
   rows, a capture check per (batch, mode): the first (compiling) call's seconds, dynamo's graph
   breaks and Inductor's skipped CUDA graphs counted over it, and the CUDA graph replays of the
   next call (about one per decode step when the step is captured, none when it is not);
-- profile: one `generate` call per (cache, batch in `--profile-batches`, mode) under
-  torch.profiler: GPU time by kernel family, the experts modules' GPU time (dynamic cache: their
-  forwards marked) and the host gap (wall - GPU); a static cache's at the static batches only;
+- profile: one `generate` call per (cache, batch in `--profile-batches` and in that cache's
+  batches, mode) and one prefill forward per length and mode under torch.profiler: GPU time by
+  kernel family, the experts modules' GPU and host time (where hooks can mark their forwards:
+  not in a compiled one) and the host gap (wall - GPU);
 - agreement (always): logits on a probe prompt, the fraction of routing decisions (a layer's
   top-k set for a token) that differ, and per `generate` row the first position where a
   sequence's greedy tokens differ.
@@ -254,6 +255,22 @@ def capture_check(models: dict, args, device, vocab: int, gen: torch.Generator, 
     return rows
 
 
+def profile_prefill(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
+    """One profiled prefill forward per prompt length and mode (after a warm-up call), the experts marked."""
+    from .harness.step_profile import profile_call
+
+    rows = []
+    for p_len in args.prefill:
+        ids = torch.randint(2, vocab, (1, p_len), generator=gen).to(device)
+        row = {"prompt": p_len}
+        for mode, model in models.items():
+            model(ids, use_cache=True, logits_to_keep=1)
+            row[mode] = profile_call(lambda model=model: model(ids, use_cache=True, logits_to_keep=1),
+                                     experts_modules(model), sync, device.type == "cuda")
+        rows.append(row)
+    return rows
+
+
 def _narrow(args, **changes) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **changes})
 
@@ -311,6 +328,9 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
         if "prefill" in args.parts:
             data["prefill"] = bench_e2e.measure_prefill(models, args, device, vocab, gen, sync)
             write_json(data, path)
+        if "profile" in args.parts:
+            data["prefill_profile"] = profile_prefill(models, args, device, vocab, gen, sync)
+            write_json(data, path)
         for cache in ("dynamic", "static"):  # the dynamic cache's rows first: a static cache compiles for minutes
             batches = args.batches if cache == "dynamic" else args.static_batches
             if "generate" in args.parts and batches:
@@ -321,7 +341,7 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
                 rows = bench_e2e.measure_generate(models, narrow, device, vocab, gen, sync)
                 data["generate"] = data.get("generate", []) + rows
                 write_json(data, path)
-            profiled = [b for b in args.profile_batches if cache == "dynamic" or b in args.static_batches]
+            profiled = [b for b in args.profile_batches if b in batches]
             if "profile" in args.parts and profiled:
                 narrow = _narrow(args, cache=[cache], batches=profiled)
                 rows = bench_e2e.measure_profile(models, narrow, device, vocab, gen, sync, marked=experts_modules)

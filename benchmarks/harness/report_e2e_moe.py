@@ -7,7 +7,7 @@ patched / default tokens/s per round (above 1: faster patched).
 
 from __future__ import annotations
 
-from .report_e2e import _f, _speedup
+from .report_e2e import _f, _speedup, step_bound
 
 SCHEMA = 1
 
@@ -143,9 +143,9 @@ def _profile(data: dict) -> list[str]:
              "a compiled forward). Families: fused = ours (the experts kernels), gemm = cuBLAS/CUTLASS (the "
              "default's batched_mm experts among them), attention, triton = Inductor's and other Triton kernels. "
              "Host gap = wall - GPU: what a faster kernel cannot shorten. The profiler slows the host: read shares.",
-             "", "| cache | batch | mode | wall ms | GPU ms | experts GPU ms | "
+             "", "| cache | batch | mode | wall ms | GPU ms | experts GPU ms | experts host ms | "
              + "".join(f"{f} ms | " for f in families) + "host gap ms | GPU busy |",
-             "|---|---|---|---|---|---|" + "---|" * (len(families) + 2)]
+             "|---|---|---|---|---|---|---|" + "---|" * (len(families) + 2)]
     for r in rows:
         for mode in ("eager", "patched"):
             p = r[mode]
@@ -153,8 +153,53 @@ def _profile(data: dict) -> list[str]:
             gap = p["wall_ms"] - p["gpu_ms"] if p["gpu_ms"] is not None else None
             lines.append(f"| {r['cache']} | {r['batch']} | {'default' if mode == 'eager' else mode} | "
                          f"{p['wall_ms']:.2f} | {_f(p['gpu_ms'], '.2f')} | {_f(p['mlp_gpu_ms'], '.3f')} | "
-                         + "".join(f"{_f(fam.get(f), '.3f')} | " for f in families)
+                         f"{_f(p['mlp_host_ms'], '.2f')} | " + "".join(f"{_f(fam.get(f), '.3f')} | " for f in families)
                          + f"{_f(gap, '.2f')} | {_f(p['gpu_busy'], '.2f')} |")
+    return lines + _bounds(data)
+
+
+def _bounds(data: dict) -> list[str]:
+    """Per profiled decode row: the GPU time the patch saves per step and the speedup that buys
+    a step of the default's unprofiled `generate` length when its host time stays as it is."""
+    step = {(g["cache"], g["batch"]): (g["eager"]["median_s"] * 1e3 / g["new_tokens"], g["speedup"]["median"])
+            for g in data.get("generate", [])}
+    rows = [r for r in data["profile"] if r["eager"]["gpu_ms"] is not None and (r["cache"], r["batch"]) in step]
+    if not rows:
+        return []
+    lines = ["", "What the GPU time saved can buy: bound = the default's unprofiled step (`generate` wall / new "
+             "tokens) over that step less the GPU ms the patch saves, its host time unchanged. A measured speedup "
+             "above the bound came from host time the patch also saved. Host-free bound (dynamic cache): the "
+             "default's profiled wall over that wall less its experts' host time, what a host-bound step gains "
+             "at most if the experts cost the host nothing (the profiler inflates host time: an estimate).", "",
+             "| cache | batch | default step ms | GPU saved ms per step | bound | host-free bound | measured |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ms, measured = step[r["cache"], r["batch"]]
+        e = r["eager"]
+        saved = e["gpu_ms"] - r["patched"]["gpu_ms"]
+        bound = f"{step_bound(ms, saved):.3f}x" if saved < ms else "–"
+        free = f"{e['wall_ms'] / (e['wall_ms'] - e['mlp_host_ms']):.3f}x" if e["mlp_host_ms"] is not None else "–"
+        lines.append(f"| {r['cache']} | {r['batch']} | {ms:.2f} | {saved:.3f} | {bound} | {free} | {measured:.3f}x |")
+    return lines
+
+
+def _prefill_profile(data: dict) -> list[str]:
+    rows = data["prefill_profile"]
+    lines = ["", "## Where a prefill's time goes (torch.profiler, one forward per row, the experts marked)", "",
+             "Bound with the experts free: the default's profiled wall time over that time less its experts' GPU "
+             "time (a prefill is GPU-bound): no experts kernel can make this prefill faster than that.", "",
+             "| prompt | mode | wall ms | GPU ms | experts GPU ms (share of GPU) | experts host ms | GPU busy | "
+             "bound with the experts free |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        e = r["eager"]
+        free = e["wall_ms"] / (e["wall_ms"] - e["mlp_gpu_ms"]) if e["mlp_gpu_ms"] is not None else None
+        for mode in ("eager", "patched"):
+            p = r[mode]
+            share = p["mlp_gpu_ms"] / p["gpu_ms"] if p["gpu_ms"] and p["mlp_gpu_ms"] is not None else None
+            lines.append(f"| {r['prompt']} | {'default' if mode == 'eager' else mode} | {p['wall_ms']:.2f} | "
+                         f"{_f(p['gpu_ms'], '.2f')} | {_f(p['mlp_gpu_ms'], '.2f')} ({_f(share, '.0%')}) | "
+                         f"{_f(p['mlp_host_ms'], '.2f')} | {_f(p['gpu_busy'], '.2f')} | "
+                         + (f"{_f(free, '.3f')}x |" if mode == "eager" else "|"))
     return lines
 
 
@@ -177,7 +222,8 @@ def _agreement(data: dict) -> list[str]:
 def render_markdown(data: dict) -> str:
     """The whole report as markdown (parts a run did not reach are left out)."""
     lines = _header(data) + _targets(data)
-    for key, part in (("prefill", _prefill), ("generate", _generate), ("capture", _capture), ("profile", _profile)):
+    for key, part in (("prefill", _prefill), ("prefill_profile", _prefill_profile), ("generate", _generate),
+                      ("capture", _capture), ("profile", _profile)):
         if data.get(key):
             lines += part(data)
     return "\n".join(lines + _agreement(data)) + "\n"

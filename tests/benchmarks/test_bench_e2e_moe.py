@@ -44,10 +44,12 @@ def test_dry_run_of_qwen3_moe_every_part(tmp_path):
     for mode in ("eager", "patched"):
         assert profiled["dynamic", 1][mode]["mlp_calls"] == 2 * 3  # each experts module: the prompt, 2 steps
         assert profiled["static", 1][mode]["mlp_calls"] == 0
+    (pre,) = data["prefill_profile"]
+    assert pre["prompt"] == 16 and all(pre[mode]["mlp_calls"] == 2 for mode in ("eager", "patched"))
     a = data["agreement"]
     assert a["top1_agree"] == 1.0 and a["routing_differs"] < 0.05
     md = (tmp_path / "qwen3-30b-a3b-2l" / "results.md").read_text()
-    for heading in ("## Against the targets", "## Prefill", "## HF generate", "## Does the static-cache step capture?",
+    for heading in ("## Against the targets", "## Prefill", "## Where a prefill's time goes", "## HF generate", "## Does the static-cache step capture?",
                     "## Where a decode step's time goes", "## Agreement"):
         assert heading in md
     assert "dry run on CPU" in md and "abc123" in md and "all 1 equal" in md
@@ -61,7 +63,7 @@ def test_dry_run_of_gpt_oss_generate_only(tmp_path):
     assert data["model"]["model_type"] == "gpt_oss" and data["model"]["attn"] == "eager"
     assert [(g["cache"], g["batch"]) for g in data["generate"]] == [("dynamic", 2)]
     assert len(data["generate"][0]["equal_leading"]) == 2  # every sequence of the batch checked
-    assert not {"prefill", "capture", "profile"} & set(data)
+    assert not {"prefill", "prefill_profile", "capture", "profile"} & set(data)
 
 
 def test_the_patched_copy_shares_the_weights_not_the_config():
@@ -101,6 +103,19 @@ def test_targets_as_the_issue_states_them():
         "static cache, batch 8: patched static / default static": (1.2, None, "met"),
         "static cache, batch 8: patched static / default's best decode": (1.2, None, "met"),
     }
+
+
+def test_bounds_from_the_gpu_time_saved_and_the_experts_host_time():
+    from benchmarks.harness.report_e2e_moe import _bounds
+
+    def mode(wall, gpu, host):
+        return {"wall_ms": wall, "gpu_ms": gpu, "mlp_host_ms": host}
+
+    data = {"generate": [{"cache": "dynamic", "batch": 1, "new_tokens": 10, "eager": {"median_s": 0.1},
+                          "speedup": {"median": 1.04}}],
+            "profile": [{"cache": "dynamic", "batch": 1, "eager": mode(20.0, 2.0, 4.0), "patched": mode(19.0, 1.5, 3.0)}]}
+    # step 10 ms, 0.5 ms of GPU saved: 10 / 9.5; the experts' host time free: 20 / 16
+    assert "| dynamic | 1 | 10.00 | 0.500 | 1.053x | 1.250x | 1.040x |" in "\n".join(_bounds(data))
 
 
 @pytest.mark.parametrize("argv,message", [
