@@ -43,6 +43,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -340,11 +341,16 @@ def run(args: argparse.Namespace) -> dict:
     }
     for plan in args.plans:
         entry = {"config": distributed_config(plan, world)[1]}
-        if args.check_layers:  # every rank runs the model; rank 0 judges
-            plain, patched = plan_logits(args, plan, probe, backend, world, dtype)
-            entry["agreement"] = agreement(single, plain, patched, args.check_layers, dtype) if rank == 0 else None
-        entry.update(time_plan(args, plan, inputs, items, backend, world, dtype, t_start))
-        _free()  # the timed model, gone with time_plan's frame
+        try:
+            if args.check_layers:  # every rank runs the model; rank 0 judges
+                plain, patched = plan_logits(args, plan, probe, backend, world, dtype)
+                entry["agreement"] = agreement(single, plain, patched, args.check_layers, dtype) if rank == 0 else None
+            entry.update(time_plan(args, plan, inputs, items, backend, world, dtype, t_start))
+        except Exception as e:  # noqa: BLE001 - a plan failing alike on every rank is recorded; the next one runs
+            entry["failed"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            if rank == 0:
+                traceback.print_exc()
+        _free()  # the plan's models, gone with the frames that held them
         data["plans"][plan] = entry
         data["wall_s"] = round(time.perf_counter() - t_start, 1)
         if rank == 0:
@@ -365,13 +371,9 @@ def render_markdown(data: dict) -> str:
              f"whole run {data.get('wall_s')} s",
              f"- {s['stat']}; {s['rounds']} rounds asked"]
     for plan, e in data["plans"].items():
-        lay = e["layout"]
-        lines += ["", f"## {plan.upper()}: `{e['config']}`", "",
-                  f"- loaded in {e['load_s']} s; {e['rounds_timed']} rounds timed; {e['experts_fused']} experts modules "
-                  f"fused by the patch, of {m['layers']} layers; default experts implementation "
-                  f"`{lay['experts_default']}`; a rank's experts gate_up {lay['experts_gate_up']['local_shape']} "
-                  f"({', '.join(lay['experts_gate_up']['placements']) or 'whole'}), attention q_proj "
-                  f"{lay['attention_q']['local_shape']} ({', '.join(lay['attention_q']['placements']) or 'whole'})"]
+        lines += ["", f"## {plan.upper()}: `{e['config']}`", ""]
+        if "failed" in e:
+            lines.append(f"- failed: {e['failed']}")
         a = e.get("agreement")
         if a:
             lines.append(f"- agreement on the first {a['layers']} layers, logits on a {a['probe_tokens']}-token "
@@ -383,6 +385,14 @@ def render_markdown(data: dict) -> str:
                          f"({a['plan_patched_vs_one_gpu']['top1']:.3f}): "
                          f"{'agrees' if a['agrees'] else 'DOES NOT AGREE'} (bound {a['bound']:.2e}: twice the larger "
                          "of the first two, plus one rounding step)")
+        if "layout" not in e:
+            continue
+        lay = e["layout"]
+        lines += [f"- loaded in {e['load_s']} s; {e['rounds_timed']} rounds timed; {e['experts_fused']} experts modules "
+                  f"fused by the patch, of {m['layers']} layers; default experts implementation "
+                  f"`{lay['experts_default']}`; a rank's experts gate_up {lay['experts_gate_up']['local_shape']} "
+                  f"({', '.join(lay['experts_gate_up']['placements']) or 'whole'}), attention q_proj "
+                  f"{lay['attention_q']['local_shape']} ({', '.join(lay['attention_q']['placements']) or 'whole'})"]
         lines += ["", "| part | size | default /s | patched /s | speedup, median (min-max) | peak MiB above the model "
                   "per rank, default / patched | leading greedy tokens equal |", "|---|---|---|---|---|---|---|"]
         for r in e["rows"]:

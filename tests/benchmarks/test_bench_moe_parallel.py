@@ -35,6 +35,7 @@ def test_dry_run_under_torchrun(tmp_path):
     assert ep["layout"]["experts_gate_up"]["local_shape"][0] == data["model"]["num_experts"] // 2
     assert ep["layout"]["experts_gate_up"]["placements"] == ["Shard(dim=0)"]
     for plan in (tp, ep):
+        assert "failed" not in plan, plan["failed"]
         assert plan["experts_fused"] == data["model"]["layers"] and plan["rounds_timed"] == 1
         a = plan["agreement"]
         assert a["layers"] == 1 and a["agrees"]
@@ -46,6 +47,12 @@ def test_dry_run_under_torchrun(tmp_path):
                 assert r["leading_tokens_equal"] == 4  # fp32, the torch backend: the same greedy tokens
     text = (tmp_path / "out" / "results.md").read_text()
     assert "## EP: `DistributedConfig(" in text and "| dynamic | batch 2 |" in text and "agrees" in text
+    # a plan that failed renders its error and what it measured before
+    data["plans"]["ep"] = {"config": ep["config"], "agreement": ep["agreement"], "failed": "RuntimeError: boom"}
+    (tmp_path / "failed.json").write_text(json.dumps(data))
+    assert bench_moe_parallel.main(["--render", str(tmp_path / "failed.json"), "--out", str(tmp_path / "r")]) == 0
+    text = (tmp_path / "r" / "results.md").read_text()
+    assert "- failed: RuntimeError: boom" in text and text.count("agrees (bound") == 2
 
 
 @pytest.mark.parametrize("argv,message", [
