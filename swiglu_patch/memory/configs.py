@@ -90,7 +90,9 @@ def config_from_dict(fields: dict, *, where: str = "config") -> Any:
         text = dict(fields["text_config"])
         text.setdefault("model_type", f"{fields.get('model_type', '')}_text")
         fields = text
-    missing = [f for f in REQUIRED_FIELDS if fields.get(f) is None]
+    # a MoE config whose layers are all sparse may leave out the dense intermediate_size (Qwen3.5)
+    missing = [f for f in REQUIRED_FIELDS if fields.get(f) is None
+               and not (f == "intermediate_size" and fields.get("moe_intermediate_size"))]
     if missing:
         raise ValueError(
             f"{where} lacks {', '.join(missing)}: a gated-MLP decoder config needs {', '.join(REQUIRED_FIELDS)}."

@@ -16,6 +16,9 @@ Mixture-of-experts models: every expert's weights are resident; the experts bloc
 peak is modelled for HF's default ``grouped_mm`` path and for swiglu-patch's fused grouped
 experts (:mod:`swiglu_patch.memory.moe_walk`), the pairs of one chunk being chunk x top-k.
 
+A hybrid model's linear-attention layers (Qwen3.5) cache no tokens; their fixed state per
+sequence is added to the per-sequence KV bytes.
+
 Sliding-window layers (Gemma 2/3, Mistral 7B v0.1, Phi-3 mini) are reported two ways: the full
 count (every layer keeps every token) and the count capped at the window (sliding layers keep at
 most ``window`` tokens of each sequence, as servers with a hybrid KV allocator do), which depends
@@ -57,6 +60,11 @@ ASSUMPTIONS = (
     "(DeepSeek) caches kv_lora_rank + rope dim values per token and layer, on every GPU.",
     "Sliding-window layers: 'full' keeps every token in every layer; 'capped' keeps at most the window in "
     "sliding layers (hybrid KV allocators such as vLLM V1's), so it depends on the sequence length.",
+    "Linear-attention layers (Qwen3.5's Gated DeltaNet): no K/V per token; each sequence holds their state "
+    "(the convolution's last kernel - 1 inputs in the KV dtype, the recurrent state [Hv, Dk, Dv] in fp32), "
+    "counted in the per-sequence figures. In the activation walk every layer of such a model is walked as a fused "
+    "attention of its full-attention layers' shape (DeltaNet's own temporaries are not modelled); the "
+    "experts block holds the peak at these chunk sizes.",
 )
 
 
@@ -65,12 +73,15 @@ class InsufficientMemoryError(ValueError):
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """Full count: layers x 2 x KV heads per GPU x head_dim x bytes (every layer keeps every token).
+    """Full count: attention layers x 2 x KV heads per GPU x head_dim x bytes (every attention layer
+    keeps every token; a hybrid model's linear-attention layers keep a fixed state per sequence instead,
+    counted by `kv_bytes_per_sequence`).
 
     Raises:
         ValueError: unknown KV dtype, or tp not compatible with the heads.
     """
-    return shape.num_layers * _kv_values_per_layer_token(shape, tp) * _kv_bytes(kv_dtype)
+    attention_layers = shape.num_layers - shape.num_linear_layers
+    return attention_layers * _kv_values_per_layer_token(shape, tp) * _kv_bytes(kv_dtype)
 
 
 def _kv_values_per_layer_token(shape: ModelShape, tp: int) -> int:
@@ -85,14 +96,17 @@ def kv_bytes_per_sequence(shape: ModelShape, seq_len: int, kv_dtype: str = "bf16
                           capped: bool = True) -> int:
     """KV bytes of one sequence of ``seq_len`` tokens on one GPU.
 
-    With ``capped``, each sliding-window layer keeps min(seq_len, window) tokens.
+    With ``capped``, each sliding-window layer keeps min(seq_len, window) tokens. Each linear-attention
+    layer adds its state (`LinearAttnShape.state_bytes`: the convolution's inputs in the KV dtype, the
+    recurrent state in fp32), whatever seq_len is.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     per_layer_token = _kv_values_per_layer_token(shape, tp) * _kv_bytes(kv_dtype)
     window = shape.sliding_window
     sliding_tokens = min(seq_len, window) if capped and window else seq_len
-    return per_layer_token * (shape.num_full_layers * seq_len + shape.num_sliding_layers * sliding_tokens)
+    state = shape.num_linear_layers * shape.linear.state_bytes(_kv_bytes(kv_dtype), tp) if shape.linear else 0
+    return per_layer_token * (shape.num_full_layers * seq_len + shape.num_sliding_layers * sliding_tokens) + state
 
 
 def _kv_bytes(kv_dtype: str) -> int:

@@ -58,6 +58,7 @@ class MoeLayout:
 MOE_LAYOUTS: dict[str, MoeLayout] = {
     "qwen3_moe": MoeLayout(),
     "qwen2_moe": MoeLayout(shared_first=True, shared_gate=True),
+    "qwen3_5_moe_text": MoeLayout(shared_first=True, shared_gate=True),  # Qwen3.5: Qwen3-Next's block
     "mixtral": MoeLayout(routing_fp32=True),
     "gpt_oss": MoeLayout(router="topk_softmax", gate="clamp", expert_bias=True, router_bias=True),
     "glm4_moe": MoeLayout(router="sigmoid_group", routing_fp32=True),

@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int_list, default=[1, 2], metavar="B,B,...", help="batch sizes (default 1,2)")
     parser.add_argument("--max-tokens", type=positive_int, default=16384,
                         help="skip points with batch x tokens above this (default 16384)")
-    parser.add_argument("--what", type=_whats, default=WHATS, metavar="{mlp,prefill,both}",
-                        help="one MLP forward, the full prefill, or both (default both)")
+    parser.add_argument("--what", type=_whats, default=None, metavar="{mlp,prefill,both}",
+                        help="one MLP forward, the full prefill, or both (default both; the MLP or experts block "
+                             "alone for a model whose HF attention is not modelled: DeepSeek-V3, Qwen3.5)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="default bf16")
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "torch"],
                         help="fused computation (default auto: the Triton kernel on CUDA)")
@@ -97,9 +98,15 @@ def main(args: argparse.Namespace) -> int:
         resolved = [resolve_model(m) for m in args.model]
         shapes = [r.shape(args.family) for r in resolved]
         unwalked = [s.name for s in shapes if s.layout.hf_attention == "unwalked"]
-        if "prefill" in args.what and unwalked:
+        if args.what is not None and "prefill" in args.what and unwalked:
             raise ValueError(f"{', '.join(unwalked)}: HF's attention of this family is not modelled, so its prefill "
                              "cannot be predicted; pass --what mlp (its MLP or experts block)")
+        if args.what is None and unwalked:
+            print(f"swiglu-patch memory: {', '.join(unwalked)}: HF's attention of this family is not modelled; "
+                  "showing its MLP or experts block only (--what mlp)\n")
+        args.model_whats = {s.name: ("mlp",) if s.name in unwalked and args.what is None else (args.what or WHATS)
+                            for s in shapes}
+        args.what = args.what or WHATS
     except (ValueError, ImportError, OSError) as exc:
         return _fail(exc)
     return _measure(args, resolved, shapes)
@@ -125,12 +132,13 @@ def _measure(args: argparse.Namespace, resolved: list, shapes: list) -> int:
         dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
         if not cuda:
             s = shape.truncated(layers) if layers else shape
-            rows += predict_rows(s, args.what, args.batch_sizes, args.tokens, dtype_bytes, args.max_tokens)
+            rows += predict_rows(s, args.model_whats[shape.name], args.batch_sizes, args.tokens, dtype_bytes,
+                                 args.max_tokens)
             continue
         t0 = time.time()
         try:
             model_rows, model_info = profile_model(
-                res, layers=layers, whats=args.what, batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
+                res, layers=layers, whats=args.model_whats[shape.name], batches=args.batch_sizes, seq_lens=args.tokens, dtype=args.dtype,
                 max_tokens=args.max_tokens, random_init=args.random_init, backend=args.backend,
                 snapshot_dir=(out_dir / "snapshots") if (args.snapshot and out_dir) else None, family=args.family)
         except Exception as exc:  # noqa: BLE001 - one model's failure (OOM, an HF change) keeps the others' numbers

@@ -23,6 +23,44 @@ from swiglu_patch.memory.moe_shape import MlaShape, MoeShape, mla_from_config, m
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+LINEAR = "linear_attention"  # a recurrent layer (Gated DeltaNet): a fixed state per sequence, no KV per token
+
+
+@dataclass(frozen=True)
+class LinearAttnShape:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3.5, Qwen3-Next): their sizes and state.
+
+    Attributes:
+        num_key_heads, num_value_heads: Hk and Hv (``linear_num_key_heads``, ``linear_num_value_heads``).
+        key_head_dim, value_head_dim: Dk and Dv.
+        conv_kernel: the causal convolution's width over q, k and v.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q and k (Hk Dk each) and v (Hv Dv)."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+    def state_bytes(self, conv_bytes: int, tp: int = 1) -> int:
+        """One sequence's state in one layer on one GPU: the convolution's last kernel - 1 inputs
+        [conv_dim, kernel - 1] at ``conv_bytes`` and the recurrent state [Hv, Dk, Dv] in fp32
+        (Qwen3.5's ``mamba_ssm_dtype``; vLLM keeps both per sequence), the heads split tp ways."""
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+        return (self.conv_dim * (self.conv_kernel - 1) * conv_bytes + recurrent) // tp
+
+    def params(self, hidden_size: int) -> tuple[int, int]:
+        """(projection and convolution weights, norm weights) of one layer: in_proj_qkv [conv_dim, K], in_proj_z
+        [Hv Dv, K], in_proj_b and in_proj_a [Hv, K], conv1d [conv_dim, 1, kernel], dt_bias and A_log [Hv],
+        out_proj [K, Hv Dv]; norm [Dv]."""
+        v = self.num_value_heads * self.value_head_dim
+        weights = hidden_size * (self.conv_dim + v) + hidden_size * 2 * self.num_value_heads
+        return weights + self.conv_dim * self.conv_kernel + 2 * self.num_value_heads + v * hidden_size, self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -51,6 +89,8 @@ class DecoderLayout:
         o_bias: o_proj carries a bias when the config's ``attention_bias`` is set (GLM-4.5's never does).
         unused_sliding_mask: HF builds a bool [T, T] sliding-window mask (sdpa) even where no layer
             slides, and keeps it for the whole forward (Qwen2-MoE).
+        output_gate: q_proj also writes a per-head gate on the attention output (Qwen3.5's gated
+            attention: q_proj [K, 2 H D]).
     """
 
     norm_style: str = "llama"
@@ -65,6 +105,7 @@ class DecoderLayout:
     rotary_fraction: float = 1.0
     o_bias: bool = True
     unused_sliding_mask: bool = False
+    output_gate: bool = False
 
 
 DECODER_LAYOUTS: dict[str, DecoderLayout] = {
@@ -83,6 +124,9 @@ DECODER_LAYOUTS: dict[str, DecoderLayout] = {
     "glm4_moe": DecoderLayout(rotary_fraction=0.5, o_bias=False),
     "gpt_oss": DecoderLayout(norm_style="gpt_oss", hf_attention="eager_sinks"),
     "deepseek_v3": DecoderLayout(hf_attention="unwalked"),
+    # hybrid: 3 Gated DeltaNet layers to 1 gated-attention layer; neither is walked by HF's code here
+    # (a server's fused kernels are: kv-capacity), its experts block is
+    "qwen3_5_moe_text": DecoderLayout(norm_style="gemma", qk_norm=True, hf_attention="unwalked", output_gate=True),
 }
 
 # Config fields a gated-MLP decoder must state; everything else has a defensible default.
@@ -125,13 +169,14 @@ class ModelShape:
         activation: MLP activation name ("silu", "gelu_pytorch_tanh", ...).
         torch_dtype: the checkpoint's dtype name.
         sliding_window: window in tokens of the sliding layers, or None.
-        layer_types: per layer, "full_attention" or "sliding_attention".
+        layer_types: per layer, "full_attention", "sliding_attention" or "linear_attention".
         qkv_bias, o_bias, mlp_bias: biases on those projections.
         final_logit_softcapping: Gemma 2's logit soft-cap (extra temporaries on the logits), or None.
         source: where the config came from.
         moe: the experts (mixture-of-experts models), or None.
         mla: DeepSeek's latent-attention sizes, or None.
         attention_sinks: one learned sink logit per head (gpt-oss).
+        linear: the linear-attention layers' sizes (hybrid models), or None.
     """
 
     name: str
@@ -157,6 +202,7 @@ class ModelShape:
     moe: MoeShape | None = None
     mla: MlaShape | None = None
     attention_sinks: bool = False
+    linear: LinearAttnShape | None = None
 
     @property
     def layout(self) -> DecoderLayout:
@@ -182,8 +228,12 @@ class ModelShape:
         return sum(t == SLIDING for t in self.layer_types)
 
     @property
+    def num_linear_layers(self) -> int:
+        return sum(t == LINEAR for t in self.layer_types)
+
+    @property
     def num_full_layers(self) -> int:
-        return self.num_layers - self.num_sliding_layers
+        return self.num_layers - self.num_sliding_layers - self.num_linear_layers
 
     def truncated(self, num_layers: int) -> ModelShape:
         """The same shape with only the first ``num_layers`` layers (as the profiler builds it)."""
@@ -221,6 +271,8 @@ class ModelShape:
             problems.append(f"shared expert intermediate size {self.moe.shared_intermediate_size}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             problems.append(f"{self.num_kv_heads} key/value heads")
+        if self.linear and (self.linear.num_key_heads % tp or self.linear.num_value_heads % tp):
+            problems.append(f"{self.linear.num_key_heads} / {self.linear.num_value_heads} linear-attention key / value heads")
         if problems:
             raise ValueError(
                 f"{self.name}: tensor-parallel degree {tp} does not divide {' and '.join(problems)}; "
@@ -251,13 +303,16 @@ class ModelShape:
         """
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()
-        missing = [f for f in REQUIRED_FIELDS if getattr(config, f, None) is None]
+        required = REQUIRED_FIELDS
+        if getattr(config, "intermediate_size", None) is None and getattr(config, "moe_intermediate_size", None):
+            required = tuple(f for f in REQUIRED_FIELDS if f != "intermediate_size")  # every layer sparse (Qwen3.5)
+        missing = [f for f in required if getattr(config, f, None) is None]
         if missing:
             raise ValueError(
                 f"config for {name or '?'} lacks {', '.join(missing)}: a gated-MLP decoder config needs "
                 f"{', '.join(REQUIRED_FIELDS)}. Pass the model's full config.json."
             )
-        for key in REQUIRED_FIELDS:
+        for key in required:
             value = getattr(config, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config for {name or '?'}: {key} must be a positive integer, got {value!r}; "
@@ -272,21 +327,24 @@ class ModelShape:
         types = getattr(config, "layer_types", None)
         if types is None:  # Mistral / Phi-3: one window for every layer when set
             types = [SLIDING if window else FULL] * layers
-        types = tuple(SLIDING if t == SLIDING else FULL for t in types[:layers])
+        types = tuple(t if t in (SLIDING, LINEAR) else FULL for t in types[:layers])
         if window is None:
-            types = tuple(FULL for _ in types)
+            types = tuple(LINEAR if t == LINEAR else FULL for t in types)
         activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
         dtype = getattr(config, "dtype", None) or vars(config).get("torch_dtype") or "bfloat16"
         dtype = str(dtype).replace("torch.", "")
         attention_bias = bool(getattr(config, "attention_bias", False))
         where = f"config for {name or model_type}"
         moe = moe_from_config(config, family or model_type, layers, where=where)
+        dense_i = getattr(config, "intermediate_size", None)
+        if dense_i is None and (moe is None or moe.num_sparse_layers < layers):
+            raise ValueError(f"{where}: lacks intermediate_size, which its dense MLP layers need; fix the config.json.")
         return cls(
             name=name or getattr(config, "name_or_path", "") or model_type,
             model_type=model_type,
             family=family or model_type,
             hidden_size=k,
-            intermediate_size=int(config.intermediate_size),
+            intermediate_size=int(dense_i or moe.intermediate_size),
             num_layers=layers,
             num_heads=h,
             num_kv_heads=kv,
@@ -305,4 +363,21 @@ class ModelShape:
             moe=moe,
             mla=mla_from_config(config),
             attention_sinks=(family or model_type) == "gpt_oss",
+            linear=_linear_from_config(config) if LINEAR in types else None,
         )
+
+
+def _linear_from_config(config: Any) -> LinearAttnShape:
+    """The linear-attention sizes of a hybrid config (Qwen3.5's ``linear_*`` keys).
+
+    Raises:
+        ValueError: one of them missing or not a positive integer.
+    """
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim")
+    values = [getattr(config, k, None) for k in keys]
+    for key, value in zip(keys, values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config: its layer_types name linear_attention layers, so {key} must be a positive "
+                             f"integer, got {value!r}; fix the config.json")
+    return LinearAttnShape(*values)

@@ -10,7 +10,10 @@ Mixture-of-experts layers count every expert (all are resident): E x 3*K*I_e (gp
 its per-expert biases), the shared expert's 3*K*I_s, and the router's E*K (replicated under
 tensor parallelism, as vLLM keeps it). DeepSeek's latent attention counts q_a [K, q_lora],
 q_b [q_lora, H*(nope + rope)], kv_a [K, kv_lora + rope], kv_b [kv_lora, H*(nope + v)] and
-o [H*v, K]; its q_a and kv_a are replicated under tensor parallelism, the rest split.
+o [H*v, K]; its q_a and kv_a are replicated under tensor parallelism, the rest split. A hybrid
+model's linear-attention layers (Qwen3.5's Gated DeltaNet) count their own projections, causal
+convolution and per-head parameters (`LinearAttnShape.params`) instead of q/k/v/o, and its gated
+attention's q_proj writes the output gate too ([K, 2 H D]).
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def count_params(shape: ModelShape) -> ParamCount:
         attn += K
     if s.attention_sinks:
         attn += s.num_heads
+    if s.layout.output_gate:
+        attn += K * q
     dense = 3 * K * I + (2 * I + K if s.mlp_bias else 0)
     mlp = router = 0
     for layer in range(L):
@@ -72,9 +77,12 @@ def count_params(shape: ModelShape) -> ParamCount:
         mlp += m.num_experts * (3 * K * m.intermediate_size + (2 * m.intermediate_size + K if lay.expert_bias else 0))
         mlp += 3 * K * m.shared_intermediate_size + (K if lay.shared_gate else 0)
         router += m.num_experts * K + (m.num_experts if lay.router_bias else 0)
-    norms_per_layer += 2 * D if s.layout.qk_norm else 0
+    qk_norms = 2 * D if s.layout.qk_norm else 0
+    linear = s.num_linear_layers
+    linear_weights, linear_norms = s.linear.params(K) if linear else (0, 0)
     embedding = s.vocab_size * K * (1 if s.tie_word_embeddings else 2)
-    return ParamCount(embedding=embedding, attention=L * attn, mlp=mlp, norms=L * norms_per_layer + K, router=router,
+    return ParamCount(embedding=embedding, attention=(L - linear) * attn + linear * linear_weights, mlp=mlp,
+                      norms=L * norms_per_layer + (L - linear) * qk_norms + linear * linear_norms + K, router=router,
                       replicated_attention=L * replicated)
 
 

@@ -97,9 +97,15 @@ def test_memory_out_dir_that_cannot_be_written(tmp_path, capsys, case):
 
 
 def test_memory_refuses_a_prefill_it_cannot_predict_and_predicts_the_experts(capsys):
-    code, out, err = _run(profile_cli, ["--model", "deepseek-v3", "--tokens", "64"], capsys)
+    code, out, err = _run(profile_cli, ["--model", "deepseek-v3", "--what", "both", "--tokens", "64"], capsys)
     assert code == 2 and out == ""
     _one_line_error(err, "deepseek-v3: HF's attention", "--what mlp")
+    # not asked for the prefill: the experts block alone, and a line that says so
+    code, out, _ = _run(profile_cli, ["--model", "deepseek-v3", "gpt-oss-20b", "--tokens", "64", "--batch-sizes", "1"],
+                        capsys)
+    assert code == 0 and "deepseek-v3: HF's attention of this family is not modelled; showing its MLP" in out
+    assert "| deepseek-v3 | mlp | 1 | 64 |" in out and "| deepseek-v3 | prefill" not in out
+    assert "| gpt-oss-20b | prefill | 1 | 64 |" in out
     code, out, _ = _run(profile_cli, ["--model", "deepseek-v3", "--what", "mlp", "--tokens", "64",
                                       "--batch-sizes", "1", "--layers", "4"], capsys)
     assert code == 0 and "| deepseek-v3 | mlp | 1 | 64 |" in out

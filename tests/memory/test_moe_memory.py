@@ -14,7 +14,7 @@ from memory.live_tensors import cpu_measure
 
 from swiglu_patch.memory.activation_model import predict_mlp_peak, predict_moe_peak, predict_prefill_peak
 from swiglu_patch.memory.configs import resolve_model
-from swiglu_patch.memory.shape import ModelShape
+from swiglu_patch.memory.shape import DECODER_LAYOUTS, ModelShape
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,6 +28,10 @@ TINY_MOE = {
                       norm_topk_prob=True),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
                       shared_expert_intermediate_size=80, sliding_window=None),
+    "qwen3_5_moe_text": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                             shared_expert_intermediate_size=80, linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16,
+                             layer_types=["linear_attention", "full_attention"]),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, intermediate_size=96,
                      n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, attention_bias=True,
@@ -39,6 +43,10 @@ TINY_MOE = {
                         kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         num_key_value_heads=4),
 }
+
+
+MOE_PRESETS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air",
+               "deepseek-v3")
 
 
 def _tiny(model_type: str, dtype=torch.bfloat16):
@@ -76,7 +84,7 @@ def test_experts_block_walk_matches_live_tensors(model_type, dtype, tokens):
     assert predicted.bytes == measured, predicted.where
 
 
-@pytest.mark.parametrize("model_type", sorted(t for t in TINY_MOE if t != "deepseek_v3"))
+@pytest.mark.parametrize("model_type", sorted(t for t in TINY_MOE if DECODER_LAYOUTS[t].hf_attention != "unwalked"))
 @pytest.mark.parametrize("batch,seq_len", [(1, 192), (3, 64)])
 def test_moe_prefill_walk_matches_live_tensors(model_type, batch, seq_len):
     model = _tiny(model_type)
@@ -152,7 +160,7 @@ def test_deepseek_v3_tp8_hand_worked():
 
 
 def test_fused_experts_shrink_every_moe_preset():
-    for name in ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "deepseek-v3"):
+    for name in MOE_PRESETS:
         shape = resolve_model(name).shape()
         eager, fused = (predict_moe_peak(shape, 512, fused=f).bytes for f in (False, True))
         assert 0 < fused < eager / 2, name
@@ -171,11 +179,13 @@ def test_moe_preset_parameter_counts_match_published():
     from swiglu_patch.memory.weights import count_params
 
     total = {name: count_params(resolve_model(name).shape()).total for name in
-             ("qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b", "glm-4.5-air", "deepseek-v3")}
+             MOE_PRESETS}
     assert total["mixtral-8x7b"] == 46_702_792_704  # the checkpoint's safetensors total
     assert round(total["qwen3-30b-a3b"] / 1e9, 1) == 30.5  # model card: 30.5B in total
     assert round(total["gpt-oss-20b"] / 1e9, 2) == 20.91  # model card: 20.91B total
     assert round(total["gpt-oss-120b"] / 1e9, 2) == 116.83  # model card: 116.83B total
+    # "35B total" (the card counts the vision tower and the MTP layer, which this text model leaves out)
+    assert 34.5e9 < total["qwen3.5-35b-a3b"] < 35e9
     assert round(total["deepseek-v3"] / 1e9) == 671  # report: 671B total (without the MTP module)
     # "106B total parameters": our count (no MTP layer, which transformers does not load) is 106.85B
     assert 106e9 < total["glm-4.5-air"] < 107e9
@@ -236,3 +246,66 @@ def test_kv_capacity_answers_for_moe_presets(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| KV tokens (full count) |"))
     eager, fused = (int(c.replace(",", "")) for c in row.split("|")[2:4])
     assert fused > eager > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_MOE))
+def test_parameter_count_of_every_moe_family_is_the_models(model_type):
+    """count_params against the tiny HF model's own parameters (Qwen3.5: DeltaNet and gated-attention layers)."""
+    from swiglu_patch.memory.weights import count_params
+
+    model = _tiny(model_type)
+    assert count_params(ModelShape.from_config(model.config)).total == sum(p.numel() for p in model.parameters())
+
+
+def test_qwen3_5_hybrid_layers_and_state_hand_worked():
+    from swiglu_patch.memory.kv_capacity import kv_bytes_per_sequence, kv_bytes_per_token
+
+    shape = resolve_model("qwen3.5-35b-a3b").shape()
+    assert (shape.num_full_layers, shape.num_linear_layers, shape.num_sliding_layers) == (10, 30, 0)
+    assert shape.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    m = shape.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.shared_intermediate_size) == (256, 8, 512, 512)
+    assert m.sparse_layers == (True,) * 40 and shape.intermediate_size == 512  # no dense I: every layer sparse
+    # 10 attention layers x K and V x 2 KV heads x 256 x 2 bytes; 30 DeltaNet layers keep their state per sequence:
+    # conv [2 x 16 x 128 + 32 x 128 = 8192 channels, kernel - 1 = 3] bf16 + recurrent [32, 128, 128] fp32
+    state = 8192 * 3 * 2 + 32 * 128 * 128 * 4
+    assert kv_bytes_per_token(shape) == 10 * 2 * 2 * 256 * 2 == 20480
+    assert kv_bytes_per_sequence(shape, 8192) == 20480 * 8192 + 30 * state
+    assert kv_bytes_per_sequence(shape, 8192, tp=2) == 10 * 2 * 1 * 256 * 2 * 8192 + 30 * state // 2
+    with pytest.raises(ValueError, match="16 / 32 linear-attention key / value heads"):
+        shape.sharded(32)
+
+
+def test_a_config_without_dense_intermediate_size_needs_every_layer_sparse():
+    config = transformers.AutoConfig.for_model("qwen3_5_moe_text", **(_BASE | TINY_MOE["qwen3_5_moe_text"]))
+    assert ModelShape.from_config(config).intermediate_size == 48  # no dense layer: I unused, the experts' size
+    config = transformers.AutoConfig.for_model("qwen3_5_moe_text", **(_BASE | TINY_MOE["qwen3_5_moe_text"]),
+                                               mlp_only_layers=[0])
+    with pytest.raises(ValueError, match="lacks intermediate_size, which its dense MLP layers need"):
+        ModelShape.from_config(config)
+
+
+def test_memory_and_kv_capacity_answer_for_every_moe_preset(capsys):
+    """`swiglu-patch memory` (the experts block; the prefill too where HF's attention is walked) and
+    `swiglu-patch kv-capacity` give numbers for every MoE preset."""
+    import argparse
+
+    from memory.test_kv_capacity import _run_cli
+
+    from swiglu_patch.memory import profile_cli
+
+    for name in MOE_PRESETS:
+        parser = argparse.ArgumentParser()
+        profile_cli.add_arguments(parser)
+        assert profile_cli.main(parser.parse_args(["--model", name, "--tokens", "512", "--batch-sizes", "1"])) == 0, name
+        out = capsys.readouterr().out
+        assert f"| {name} | mlp | 1 | 512 |" in out, out
+        walked = DECODER_LAYOUTS[resolve_model(name).shape().family].hf_attention != "unwalked"
+        assert (f"| {name} | prefill | 1 | 512 |" in out) == walked, name
+        # bf16 weights of DeepSeek-V3 (1.25 TiB) fit no H100 tensor-parallel group: its own fp8 weights do at tp 16
+        extra = ["--weight-dtype", "fp8"] if name == "deepseek-v3" else []
+        code, out, err = _run_cli(["--model", name, "--gpu", "H100", *extra], capsys)
+        assert code == 0, (name, err)
+        row = next(line for line in out.splitlines() if line.startswith("| KV tokens (full count) |"))
+        eager, fused = (int(c.replace(",", "")) for c in row.split("|")[2:4])
+        assert fused > eager > 0, name
