@@ -104,32 +104,35 @@ def final_hidden(model, windows: torch.Tensor) -> torch.Tensor:
     return torch.cat([model.model(input_ids=w[None].to(dev)).last_hidden_state.float().cpu() for w in windows])
 
 
-def full_vocab_nll(hidden: dict[str, torch.Tensor], targets: torch.Tensor, embedding: torch.Tensor, base: str) -> dict:
-    """Perplexity of each model over the full vocabulary, and its mean KL from `base`'s predictions.
+def full_vocab_nll(hidden: dict[str, torch.Tensor], targets: torch.Tensor, embedding: torch.Tensor,
+                   bases: tuple[str, ...]) -> dict:
+    """Perplexity of each model over the full vocabulary, and its mean KL from each base model's predictions.
 
     For models whose vocabulary was cut to the ids a text uses (`gguf_slice`): with tied
     embeddings and no final soft-capping, the full logits are the final hidden states times the
     full embedding matrix.
 
     Args:
-        hidden: {name: float32 [windows, window, hidden]} (`final_hidden`); `base` one of the names.
+        hidden: {name: float32 [windows, window, hidden]} (`final_hidden`).
         targets: int64 [windows, window]: the windows' tokens as ids of the full vocabulary.
         embedding: float32 [V, hidden], the full vocabulary's embedding (= the LM head).
+        bases: names of `hidden` to measure KL(base || model) from.
 
     Returns:
-        {name: {"ppl", "nll", "kl_from_base" (nats per position, mean), "positions"}}: next-token
-        NLL within each window, float64.
+        {name: {"ppl", "nll", "kl_from": {base: mean KL, nats per position}, "positions"}}:
+        next-token NLL within each window, float64.
     """
     nll = dict.fromkeys(hidden, 0.0)
-    kl = dict.fromkeys(hidden, 0.0)
+    kl = {k: dict.fromkeys(bases, 0.0) for k in hidden}
     n = 0
     for w, t in enumerate(targets):
         logprobs = lambda k: torch.log_softmax((hidden[k][w, :-1] @ embedding.T).double(), -1)  # noqa: E731
-        lb = logprobs(base)
+        base_lp = {b: logprobs(b) for b in bases}
         for k in hidden:
-            lp = lb if k == base else logprobs(k)
+            lp = base_lp[k] if k in base_lp else logprobs(k)
             nll[k] += -lp.gather(-1, t[1:, None]).sum().item()
-            kl[k] += (lb.exp() * (lb - lp)).sum().item()
+            for b, lb in base_lp.items():
+                kl[k][b] += (lb.exp() * (lb - lp)).sum().item()
         n += len(t) - 1
     return {k: {"ppl": float(torch.tensor(nll[k] / n, dtype=torch.float64).exp()), "nll": nll[k] / n,
-                "kl_from_base": kl[k] / n, "positions": n} for k in hidden}
+                "kl_from": {b: v / n for b, v in kl[k].items()}, "positions": n} for k in hidden}

