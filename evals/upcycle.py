@@ -269,12 +269,12 @@ def _roll_routers(model, shift: int) -> None:
             m.proj.weight.copy_(m.proj.weight.roll(shift, 0))
 
 
-def perplexity(dense, moe, recipe: Recipe, calibration: torch.Tensor, windows: torch.Tensor, targets: torch.Tensor,
-               embedding: torch.Tensor, check_exact: bool = True) -> dict:
+def perplexity(dense, moe, exact_hidden: torch.Tensor | None, windows: torch.Tensor, targets: torch.Tensor,
+               embedding: torch.Tensor) -> dict:
     """Full-vocabulary perplexity of the dense model, the upcycled one, the upcycled one with each
-    router's rows rotated by one (other experts, the same spread), and (check_exact) the recipe
-    with zero noise; with each one's mean KL from the dense and from the upcycled model
-    (`moe_verdict.full_vocab_nll`)."""
+    router's rows rotated by one (other experts, the same spread), and the recipe with zero noise
+    (its final hidden states `exact_hidden`, if given); with each one's mean KL from the dense and
+    from the upcycled model (`moe_verdict.full_vocab_nll`)."""
     from .moe_verdict import final_hidden, full_vocab_nll
 
     hidden = {"dense Gemma 3": final_hidden(dense, windows), "upcycled MoE": final_hidden(moe, windows)}
@@ -283,16 +283,18 @@ def perplexity(dense, moe, recipe: Recipe, calibration: torch.Tensor, windows: t
         hidden["upcycled MoE, routers rotated"] = final_hidden(moe, windows)
     finally:
         _roll_routers(moe, -1)
-    if check_exact:
-        exact = upcycle(dense, dataclasses.replace(recipe, noise=0.0), calibration)
-        hidden["upcycled, zero noise"] = final_hidden(exact, windows)
-        del exact
+    if exact_hidden is not None:
+        hidden["upcycled, zero noise"] = exact_hidden
     return full_vocab_nll(hidden, targets, embedding, ("dense Gemma 3", "upcycled MoE"))
 
 
 def to_markdown(out: dict) -> str:
     """The perplexity table and the verdict table of a `main` run."""
-    lines = [out["setup"], ""]
+    checks = out["model_check_max_abs_logit_diff"]
+    lines = [out["setup"], "",
+             f"Model check (float32, the fixture's logits of transformers' own load of the full Gemma 3 270M): "
+             f"max |logit difference| {checks['dense']:.2g} dense, {checks['upcycled, zero noise']:.2g} upcycled "
+             f"with zero noise.", ""]
     if out.get("perplexity"):
         lines += ["| model (float32) | perplexity, full vocabulary | mean KL from the dense model, nats/token "
                   "| mean KL from the upcycled MoE |", "|---|---|---|---|"]
@@ -328,9 +330,9 @@ def to_markdown(out: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     from swiglu_patch.inputs import nonnegative_float, one_line, positive_int
 
-    from .moe_verdict import measure_moe
+    from .moe_verdict import final_hidden, measure_moe
     from .patching import Patcher
-    from .power import FIXTURE, load_fixture, remap
+    from .power import FIXTURE, check_model, load_fixture, remap
 
     p = argparse.ArgumentParser(prog="python -m swiglu_patch.evals.upcycle", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for upcycle.json and upcycle.md")
@@ -388,14 +390,27 @@ def main(argv: list[str] | None = None) -> int:
     windows = _windows(remap(text, data["vocab"]), bos, args.window, args.text_windows)
     calibration = _windows(remap(text[-args.calibration_windows * body :], data["vocab"]), bos, args.window,
                            args.calibration_windows)
+    # the models checked first: the dense one and the recipe at zero noise against the fixture's logits
+    # of transformers' own load of the full model (a transformers version that builds either wrongly
+    # stops here)
+    exact = upcycle(dense, dataclasses.replace(recipe, noise=0.0), calibration)
+    checks = {"dense": check_model(dense, data), "upcycled, zero noise": check_model(exact, data)}
+    exact_hidden = final_hidden(exact, windows) if embedding is not None else None
+    del exact
+    if max(checks.values()) > 1e-2:
+        print(f"{p.prog}: error: float32 logits off those of transformers' own load of Gemma 3 270M on a CPU by "
+              f"{checks} (fixture check): the model is broken here (transformers version?), nothing was measured",
+              file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     moe = upcycle(dense, recipe, calibration)
     out = {"recipe": dataclasses.asdict(recipe), "build_seconds": time.perf_counter() - t0,
+           "model_check_max_abs_logit_diff": checks,
            "eager_experts_implementation": moe.config._experts_implementation}
-    print(f"{p.prog}: upcycled in {out['build_seconds']:.0f} s", file=sys.stderr, flush=True)
+    print(f"{p.prog}: checked {checks}, upcycled in {out['build_seconds']:.0f} s", file=sys.stderr, flush=True)
     if embedding is not None:
         targets = _windows(text, data["bos_id"], args.window, args.text_windows)
-        out["perplexity"] = perplexity(dense, moe, recipe, calibration, windows, targets, embedding)
+        out["perplexity"] = perplexity(dense, moe, exact_hidden, windows, targets, embedding)
         del embedding
         print(f"{p.prog}: perplexity measured", file=sys.stderr, flush=True)
     del dense
