@@ -39,7 +39,7 @@ from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
-from .harness.cli import Parser, guarded, render_or_run, require_cuda
+from .harness.cli import Parser, UsageError, guarded, render_or_run, require_cuda
 
 PROG = "python -m benchmarks.bench_moe_train"
 SCHEMA = 1
@@ -55,10 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", choices=[s.name for s in MOE_SHAPES], default=list(SHAPES))
     p.add_argument("--tokens", nargs="+", type=positive_int, default=[4096, 16384])
     p.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    p.add_argument("--eager-max", type=int, default=16384, help="largest T timed on transformers' eager loop")
+    p.add_argument("--eager-max", type=int, default=4096,
+                   help="largest T timed on transformers' eager loop (about 0.3 s a call on these shapes)")
     p.add_argument("--reps", type=positive_int, default=10, help="timed calls per way in each of 3 rounds")
     p.add_argument("--sweep", action="store_true",
-                   help="also time our backward alone (recompute mode) with each candidate config of SWEEP per row")
+                   help="also time our backward alone (recompute mode) with each candidate config of SWEEP per row, "
+                        "with each kernel's CUDA time")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of one step of each of our modes")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,13 +83,13 @@ def sweep_configs() -> dict:
 
     return {
         "rule": None,
-        "b128_dh128x64": C(128, 128, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
-        "b128_s4": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=4),
-        "b128_w4": C(128, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
-        "b64_w4": C(64, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
-        "b128_k128s2": C(128, 64, 128, 128, 128, 128, 128, num_warps=8, num_stages=2),
-        "b128_dx256_w128x256": C(128, 64, 64, 256, 64, 128, 256, num_warps=8, num_stages=3),
-        "b128_w64x128": C(128, 64, 64, 128, 64, 64, 128, num_warps=4, num_stages=3),
+        "dh128_dxk128": C(128, 128, 64, 128, 128, 128, 128, num_warps=8, num_stages=3),
+        "w4": C(128, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
+        "wg64x128_s4": C(128, 64, 64, 128, 64, 64, 128, num_warps=4, num_stages=4),
+        "wg128x64_s4": C(128, 64, 64, 128, 64, 128, 64, num_warps=8, num_stages=4),
+        "b64": C(64, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
+        "dx256": C(128, 64, 64, 256, 64, 128, 128, num_warps=8, num_stages=3),
+        "dh128x128_s2": C(128, 128, 128, 128, 64, 128, 128, num_warps=8, num_stages=2),
     }
 
 
@@ -99,13 +101,22 @@ def sweep_fns(module, x, idx, w, dout) -> dict:
     spec = experts_spec(module)
     args = (dout, x.detach(), idx, w.detach(), module.gate_up_proj.detach(), module.down_proj.detach(), spec.epilogue,
             spec.layout)
-    return {f"backward[{name}]": (lambda c=config: experts_backward(
-        *args, kernel="auto" if c is None else "experts_backward_grouped", config=c))
-        for name, config in sweep_configs().items()}
+    fns = {}
+    for name, config in sweep_configs().items():
+        def fn(c=config):
+            return experts_backward(*args, kernel="auto" if c is None else "experts_backward_grouped", config=c)
+
+        try:
+            fn()  # compiles; a config the GPU cannot run is left out with its error
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            print(f"  sweep {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            continue
+        fns[f"backward[{name}]"] = fn
+    return fns
 
 
-def profile_of(step) -> dict:
-    """{kernel name: CUDA microseconds} of one call of `step`, the largest first."""
+def profile_of(step) -> list:
+    """[kernel name, CUDA microseconds] of each kernel one call of `step` launches, in launch order."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -113,12 +124,12 @@ def profile_of(step) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
-    times = {}
-    for e in prof.key_averages():
+    kernels = []
+    for e in prof.events():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us and e.device_type.name == "CUDA":
-            times[e.key[:80]] = us
-    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+            kernels.append([e.name[:60], round(float(us), 1)])
+    return kernels
 
 
 def leaves_of(module, x, w) -> dict:
@@ -275,10 +286,14 @@ def run(args: argparse.Namespace) -> dict:
                     row["profile_us"] = {name: profile_of(steps[name]) for name in steps if name.startswith("ours")}
             if args.sweep and not dry:
                 with torch.no_grad():
-                    row["sweep_ms"] = {k: v * 1e3 for k, v in timer.many(sweep_fns(module, x, idx, w, dout)).items()}
+                    fns = sweep_fns(module, x, idx, w, dout)
+                    row["sweep_ms"] = {k: v * 1e3 for k, v in timer.many(fns).items()}
+                    row["sweep_kernels_us"] = {k: profile_of(fn) for k, fn in fns.items()}
             row["targets"] = targets(row["ways"])
             rows.append(row)
             print(_line(row), flush=True)
+            for name, kernels in {**row.get("profile_us", {}), **row.get("sweep_kernels_us", {})}.items():
+                print(f"  {name} kernels us: " + ", ".join(f"{k.lstrip('_')[:28]} {v:.0f}" for k, v in kernels), flush=True)
             del steps, leaves, ref, x, w, dout
         module.config._experts_implementation = "grouped_mm"
         del module
@@ -335,7 +350,12 @@ def render_markdown(data: dict) -> str:
 
 
 def _main(argv: list[str] | None) -> int:
+    from swiglu_patch.kernels.device import interpreting
+
     args = parse_args(argv)
+    if args.dry_run and not interpreting():
+        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
+                         f"imported: run `TRITON_INTERPRET=1 {PROG} --dry-run ...`")
     if not args.render and not args.dry_run:
         require_cuda(PROG)
     return render_or_run(args, "moe_train", SCHEMA, run, render_markdown)
