@@ -242,9 +242,14 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     """
     spec = spec_of(module)
     params = module._parameters
-    gate_up, down = params["gate_up_proj"], params["down_proj"]
-    gate_up_bias = params["gate_up_proj_bias"] if spec.has_bias else None
-    down_bias = params["down_proj_bias"] if spec.has_bias else None
+    if "gate_up_proj" in params and "down_proj" in params:
+        gate_up, down = params["gate_up_proj"], params["down_proj"]
+        gate_up_bias = params["gate_up_proj_bias"] if spec.has_bias else None
+        down_bias = params["down_proj_bias"] if spec.has_bias else None
+    else:  # parametrized (PEFT's target_parameters LoRA: W + s*B@A, materialized by the parametrization as PEFT does)
+        gate_up, down = module.gate_up_proj, module.down_proj
+        gate_up_bias = module.gate_up_proj_bias if spec.has_bias else None
+        down_bias = module.down_proj_bias if spec.has_bias else None
     backend = module.__dict__.get("_swiglu_backend", "auto")
     if backend == "auto":
         backend = "triton" if hidden_states.is_cuda else "torch"
