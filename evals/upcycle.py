@@ -316,8 +316,8 @@ def to_markdown(out: dict) -> str:
         f"| per-token KL, {r['kl']['noise']['positions']} positions: mean / p99 / max | "
         + " | ".join(f"{r['kl'][k]['kl_mean']:.3g} / {r['kl'][k]['kl_p99']:.3g} / {r['kl'][k]['kl_max']:.3g}"
                      for k in ("noise", "fused_vs_eager", "fused_vs_reference"))
-        + " | ratios " + " / ".join(f"{t['ratios'][k]:.2f}" for k in ("mean", "p99", "max"))
-        + f" (limits 1.2 / 4 / 4) | {t['label']} |",
+        + (" | ratios " + " / ".join(f"{t['ratios'][k]:.2f}" for k in ("mean", "p99", "max")) + " (limits 1.2 / 4 / 4)"
+           if t["ratios"] else f" | {t['rule']}") + f" | {t['label']} |",
     ]
     for key, label in (("set_changed", "top-k set"), ("top1_changed", "top-1 expert")):
         lines.append(f"| routing decisions with another {label}, {routing['eager_vs_fused']['decisions']} "

@@ -20,7 +20,7 @@ from swiglu_patch.evals.moe_verdict import final_hidden, full_vocab_nll, measure
 from swiglu_patch.evals.patching import Patcher
 from swiglu_patch.evals.routing import RoutingRecorder, routing_flips
 from swiglu_patch.evals.power import FIXTURE
-from swiglu_patch.evals.upcycle import Recipe, host_config, main, upcycle
+from swiglu_patch.evals.upcycle import Recipe, host_config, main, to_markdown, upcycle
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,11 +145,16 @@ def test_measure_moe_clean_agrees_and_a_broken_mlp_flips_routes():
     assert clean["tokens"]["label"] in ("identical", "agrees")
     assert clean["routing"]["eager_vs_fused"]["decisions"] == 2 * (6 * 12 + 2 * 32)
     assert clean["routing"]["eager_vs_fused"]["set_changed"] == 0.0
+    table = to_markdown({"setup": "tiny", "model_check_max_abs_logit_diff": {"dense": 0.0, "upcycled, zero noise": 0.0},
+                         "verdict": clean})
+    assert "| same answer, 6 questions |" in table and "top-k set, 272 (token, layer) | 0.00% | 0.00% |" in table
     broken = measure_moe(*args, DefectPatcher("swap_gate_up"), reference_dtype=torch.float64)
     assert broken["tokens"]["label"] == "DIFFERENCE"
     # layer 1's router sees layer 0's broken MLP: 7% of all decisions move (15% of layer 1's)
     assert broken["routing"]["eager_vs_fused"]["set_changed"] > 0.02
     assert broken["routing"]["eager_vs_reference"]["set_changed"] <= 0.01
+    assert "| DIFFERENCE |" in to_markdown({**{"setup": "", "model_check_max_abs_logit_diff": {
+        "dense": 0.0, "upcycled, zero noise": 0.0}}, "verdict": broken})
 
 
 @torch.no_grad()
