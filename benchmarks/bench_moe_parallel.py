@@ -115,12 +115,16 @@ def distributed_config(plan: str, world: int):
 
 
 def _checkpoint(args, spec, dtype, device, rank: int) -> None:
-    """Rank 0 saves the random-init model once; every rank waits for it."""
+    """Rank 0 saves the random-init model once, built on `device` and saved from the CPU; every
+    rank waits for it. transformers' save_pretrained converts the 3-D experts back to the
+    checkpoint's per-expert tensors with a copy of each on its device, which does not fit next
+    to all 48 layers (61 GB) on an 80 GB GPU."""
     import torch.distributed as dist
 
     done = args.model_dir / ".complete"
     if rank == 0 and not done.exists():
-        model = build_model(spec, args.layers, device, dtype, args.seed)
+        model = build_model(spec, args.layers, device, dtype, args.seed).to("cpu")
+        _free()
         model.save_pretrained(args.model_dir, max_shard_size="4GB")
         del model
         done.touch()
@@ -249,7 +253,7 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
                                       min_new_tokens=new, do_sample=False)
 
     times = {it: {m: [] for m in MODES} for it in items}
-    peaks, tokens, fused = {it: {} for it in items if it[0] == "prefill"}, {}, 0
+    peaks, tokens, fused, current = {it: {} for it in items if it[0] == "prefill"}, {}, None, "eager"
     with torch.inference_mode():
         for r in range(-1, args.rounds):  # round -1: untimed (compiles the kernels), peaks, tokens
             over = [args.budget_s is not None and time.perf_counter() - t_start > args.budget_s]
@@ -257,10 +261,12 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
             if r >= 1 and over[0]:
                 break
             for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                if mode == "patched":
-                    fused = len(apply_fused_mlp(model, backend=backend).experts)
-                else:
+                if mode != current and mode == "patched":  # the report of a call on a patched model lists none
+                    report = apply_fused_mlp(model, backend=backend)
+                    fused = fused or {"fused": len(report.experts), "not_fused": len(report.not_patched)}
+                elif mode != current:
                     unpatch(model)
+                current = mode
                 for item in items:
                     if cuda and r == -1 and item[0] == "prefill":
                         torch.cuda.synchronize()
@@ -298,7 +304,8 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
             row["leading_tokens_equal"] = min(next((n for n, (x, y) in enumerate(zip(ra, rb)) if x != y), len(ra))
                                               for ra, rb in zip(a, b))
         rows.append(row)
-    return {"load_s": round(load_s, 1), "layout": layout, "experts_fused": fused, "rounds_timed": len(rows[0]["eager_s"]) if rows else 0,
+    return {"load_s": round(load_s, 1), "layout": layout, "experts_fused": fused["fused"],
+            "experts_not_fused": fused["not_fused"], "rounds_timed": len(rows[0]["eager_s"]) if rows else 0,
             "rows": rows}
 
 
@@ -389,7 +396,7 @@ def render_markdown(data: dict) -> str:
             continue
         lay = e["layout"]
         lines += [f"- loaded in {e['load_s']} s; {e['rounds_timed']} rounds timed; {e['experts_fused']} experts modules "
-                  f"fused by the patch, of {m['layers']} layers; default experts implementation "
+                  f"fused by the patch ({e.get('experts_not_fused', 0)} not), of {m['layers']} layers; default experts implementation "
                   f"`{lay['experts_default']}`; a rank's experts gate_up {lay['experts_gate_up']['local_shape']} "
                   f"({', '.join(lay['experts_gate_up']['placements']) or 'whole'}), attention q_proj "
                   f"{lay['attention_q']['local_shape']} ({', '.join(lay['attention_q']['placements']) or 'whole'})"]
