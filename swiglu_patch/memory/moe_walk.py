@@ -17,11 +17,16 @@ its routing weights fp32 (:class:`~swiglu_patch.memory.moe_shape.MoeLayout`), el
   over slots [T, K]. The permuted copy of x, the down output and the weighted rows live until
   the function returns: for Qwen3-30B-A3B (K = 2048, I_e = 768) the peak is at the un-permute,
   4 S K e, not at the gate (S K e + 4 S I_e e).
-- **Experts, fused** (swiglu-patch): routing metadata (sorted pair ids int32 [S], per-expert
-  offsets int32 [E + 1]); the grouped gated GEMM gathers rows of x by index (no permuted copy)
-  and writes h = act(gate) * up [S, I_e] in x's dtype; the down grouped GEMM writes y [S, K]
-  (routing weight applied) in (token, slot) order; h is freed; out [T, K] = y.view(T, k, K).sum(1).
-  Peak S (I_e + K) e, or S K e + T K e when I_e < T K / S.
+- **Experts, fused** (swiglu-patch, `kernels/experts.py` and `experts_gemm.py`): the output
+  out [T, K] first (the combine writes it last); the routing metadata of `experts_routing`: the
+  pairs sorted into per-expert blocks of BLOCK_M rows (int64 [capacity], capacity = S + min(S, E)
+  (BLOCK_M - 1) rounded up to BLOCK_M; one more slot on the torch path taken past 4,096 pairs or
+  1,023 experts) and each block's expert (int64 [capacity / BLOCK_M]), BLOCK_M from the planner's
+  rule for T (`kernels/rules.EXPERTS_RULES`); the grouped gated GEMM gathers rows of x by index
+  (no permuted copy) and writes h = act(gate) * up [S, I_e] in x's dtype; the down grouped GEMM
+  writes y [S, K] (routing weight applied) in (token, slot) order; the combine sums y's k rows of
+  each token into out in a fixed order; h and y are freed when the call returns.
+  Peak T K e + S (I_e + K) e + the metadata.
 - **Shared expert** (Qwen2-MoE, DeepSeek, GLM): a dense MLP of I_s, eager or fused like every
   dense MLP, run before the router (Qwen2-MoE, whose output [T, K] then lives through the
   experts and is scaled by ``sigmoid(Linear(K, 1))``) or after the experts on the block's input
@@ -163,14 +168,31 @@ def _experts_grouped_mm(walk, tag: str, _weights: str) -> str:
 
 
 def _experts_fused(walk, tag: str, _weights: str) -> str:
-    """swiglu-patch's grouped experts; returns the [T, K] output's name."""
+    """swiglu-patch's grouped experts (`kernels/experts.experts_forward`); returns the [T, K] output's name."""
     ls, m, T, K, e = walk.ls, walk.s.moe, walk.M, walk.s.hidden_size, walk.e
-    S, w, n = T * m.top_k, f"{tag}: fused experts", lambda s: f"{tag}.{s}"
-    ls.alloc(n("pair_ids"), S * _I32, "mlp", f"{w} sorted pair ids")
-    ls.alloc(n("offsets"), (m.num_experts + 1) * _I32, "mlp", f"{w} expert offsets")
+    S, E, w, n = T * m.top_k, m.num_experts, f"{tag}: fused experts", lambda s: f"{tag}.{s}"
+    block_m = experts_block_m(T)
+    rows = -(-(S + min(S, E) * (block_m - 1)) // block_m) * block_m
+    torch_path = S > _KERNEL_PAIRS or E > _KERNEL_EXPERTS
+    ls.alloc(n("out"), T * K * e, "hidden", f"{w} output")
+    ls.alloc(n("sorted_pairs"), (rows + torch_path) * _I64, "mlp", f"{w} pairs sorted into expert blocks")
+    ls.alloc(n("block_expert"), rows // block_m * _I64, "mlp", f"{w} expert of each block")
     ls.alloc(n("h"), S * m.intermediate_size * e, "mlp", f"{w} grouped act(gate) * up")
     ls.alloc(n("y"), S * K * e, "mlp", f"{w} grouped down * routing weight")
-    ls.free(n("h"))
-    ls.alloc(n("out"), T * K * e, "hidden", f"{w} sum over the k slots")
-    ls.free(n("y"), n("pair_ids"), n("offsets"))
+    ls.free(n("h"), n("y"), n("sorted_pairs"), n("block_expert"))
     return n("out")
+
+
+# `kernels/experts_routing`: the one-program routing kernel's limits (the torch ops past them)
+_KERNEL_PAIRS, _KERNEL_EXPERTS = 4096, 1023
+
+
+def experts_block_m(tokens: int) -> int:
+    """BLOCK_M of the experts kernels' rule for a call of ``tokens`` tokens (`kernels/rules.EXPERTS_RULES`)."""
+    from swiglu_patch.kernels.rules import EXPERTS_RULES
+
+    for rule in EXPERTS_RULES:
+        lo, hi = rule.m
+        if (lo is None or tokens >= lo) and (hi is None or tokens <= hi) and not rule.gpus:
+            return rule.config.block_m
+    raise ValueError(f"experts_block_m: no experts rule covers {tokens} tokens")
