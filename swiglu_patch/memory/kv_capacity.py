@@ -56,7 +56,7 @@ ASSUMPTIONS = (
     "replicated); the experts block of a chunk holds chunk x top-k (token, expert) pairs. Eager: HF's "
     "default grouped_mm path (permuted copy of x, gate_up [pairs, 2 I_e], act and product, down, weighted and "
     "un-permuted rows; a server's own fused-MoE kernel holds less and is not modelled); fused: index-gathered rows, "
-    "h [pairs, I_e], y [pairs, K]. Latent attention "
+    "out [chunk, K], the pairs' expert blocks, h [pairs, I_e], y [pairs, K] (both paths checked on an H100). Latent attention "
     "(DeepSeek) caches kv_lora_rank + rope dim values per token and layer, on every GPU.",
     "Sliding-window layers: 'full' keeps every token in every layer; 'capped' keeps at most the window in "
     "sliding layers (hybrid KV allocators such as vLLM V1's), so it depends on the sequence length.",
