@@ -412,6 +412,8 @@ def render_markdown(data: dict) -> str:
                          f"**{sp['median']:.3f}x** ({sp['min']:.3f}-{sp['max']:.3f}) | {peak_cell} | {lead} |")
     lines += ["", "Rates: prefill tokens/s; generate (dynamic cache) tokens/s, batch x new tokens / wall time. "
               "Leading greedy tokens: the fewest over the batch's sequences."]
+    if data.get("notes"):  # written into the JSON after the run, each saying so
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in data["notes"]]
     return "\n".join(lines) + "\n"
 
 

@@ -51,10 +51,12 @@ def test_dry_run_under_torchrun(tmp_path):
     assert "## EP: `DistributedConfig(" in text and "| dynamic | batch 2 |" in text and "agrees" in text
     # a plan that failed renders its error and what it measured before
     data["plans"]["ep"] = {"config": ep["config"], "agreement": ep["agreement"], "failed": "RuntimeError: boom"}
+    data["notes"] = ["Added after the run: a note."]
     (tmp_path / "failed.json").write_text(json.dumps(data))
     assert bench_moe_parallel.main(["--render", str(tmp_path / "failed.json"), "--out", str(tmp_path / "r")]) == 0
     text = (tmp_path / "r" / "results.md").read_text()
     assert "- failed: RuntimeError: boom" in text and text.count("agrees (bound") == 2
+    assert text.endswith("Notes:\n\n- Added after the run: a note.\n")
 
 
 @pytest.mark.parametrize("argv,message", [
