@@ -106,6 +106,7 @@ def sweep_fns(module, x, idx, w, dout) -> dict:
         def fn(c=config):
             return experts_backward(*args, kernel="auto" if c is None else "experts_backward_grouped", config=c)
 
+        print(f"  [moe_train] sweep: compiling and checking {name}", flush=True)
         try:
             fn()  # compiles; a config the GPU cannot run is left out with its error
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
@@ -261,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
             w = w.requires_grad_()
             dout = (torch.randn(tokens, shape.k, generator=gen) * shape.k ** -0.5).to(device, dtype)
             leaves = leaves_of(module, x, w)
+            _progress(shape, tokens, "float64 reference gradients")
             ref = reference_grads(module, x, idx, w, dout)
             row = {"shape": shape.name, "tokens": tokens, "flops": flops(shape, tokens), "ways": {}}
             steps = {}
@@ -270,6 +272,7 @@ def run(args: argparse.Namespace) -> dict:
                 fn = way_fn(name, module, x, idx, w)
                 if fn is None:
                     continue
+                _progress(shape, tokens, f"{name}: first call (compiles, autotunes), errors, memory")
                 try:
                     errors = errors_of(step_fn(fn, leaves, dout), leaves, ref)
                     row["ways"][name] = {"errors": errors, "max_error": max(errors.values()),
@@ -279,6 +282,7 @@ def run(args: argparse.Namespace) -> dict:
                     row["ways"][name] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
                     torch.cuda.empty_cache()
             if not dry and steps:
+                _progress(shape, tokens, f"timing {', '.join(steps)}")
                 times = timer.many(steps)
                 for name, seconds in times.items():
                     row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
@@ -302,6 +306,11 @@ def run(args: argparse.Namespace) -> dict:
     return {"kind": "moe_train", "schema": SCHEMA, "environment": environment(device, args.commit),
             "dtype": str(dtype), "timer": None if dry else timer.describe(),
             "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
+
+
+def _progress(shape: MoEShape, tokens: int, what: str) -> None:
+    """One line saying where the run is (a run cut by a time limit says where it was)."""
+    print(f"  [moe_train] {shape.name} T={tokens}: {what}", flush=True)
 
 
 def _fmt(value, spec: str) -> str:
