@@ -322,9 +322,9 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
         probe = torch.randint(2, vocab, (1, min(512, max(args.prefill))), generator=gen).to(device)
         logits, routes = zip(*(routed_logits(m, probe) for m in models.values()))
         logits = dict(zip(models, logits))
-        routing = routing_differs(*routes)
+        data["agreement"] = bench_e2e.agreement(logits, []) | {"routing_differs": routing_differs(*routes)}
         del routes
-        write_json(data, path)
+        write_json(data, path)  # a run cut short keeps the agreement of logits and routing
         if "prefill" in args.parts:
             data["prefill"] = bench_e2e.measure_prefill(models, args, device, vocab, gen, sync)
             write_json(data, path)
@@ -347,7 +347,7 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
                 rows = bench_e2e.measure_profile(models, narrow, device, vocab, gen, sync, marked=experts_modules)
                 data["profile"] = data.get("profile", []) + rows
                 write_json(data, path)
-    data["agreement"] = bench_e2e.agreement(logits, data.get("generate", [])) | {"routing_differs": routing}
+    data["agreement"] |= bench_e2e.agreement(logits, data.get("generate", []))
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     write_json(data, path)
     return data

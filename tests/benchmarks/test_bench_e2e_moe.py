@@ -66,6 +66,18 @@ def test_dry_run_of_gpt_oss_generate_only(tmp_path):
     assert not {"prefill", "prefill_profile", "capture", "profile"} & set(data)
 
 
+def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
+    def cut(*args, **kwargs):
+        raise RuntimeError("cut by the time limit")
+
+    monkeypatch.setattr(bench_e2e_moe.bench_e2e, "measure_generate", cut)
+    with pytest.raises(RuntimeError, match="cut by the time limit"):
+        _dry_run(tmp_path, "qwen3-30b-a3b:2", "--parts", "prefill", "generate")
+    data = json.loads((tmp_path / "qwen3-30b-a3b-2l" / "results.json").read_text())
+    assert [p["prompt"] for p in data["prefill"]] == [16] and "generate" not in data
+    assert data["agreement"]["top1_agree"] == 1.0 and data["agreement"]["routing_differs"] < 0.05
+
+
 def test_the_patched_copy_shares_the_weights_not_the_config():
     spec = bench_e2e_moe.TINY["qwen3-30b-a3b"]
     base = bench_e2e_moe.build_model(spec, 2, torch.device("cpu"), torch.float32, 0)
