@@ -222,3 +222,12 @@ def test_command_line_on_the_real_model_slice(tmp_path):
     assert r["routing"]["eager_vs_fused"]["decisions"] == 18 * tokens  # every token, every layer
     assert r["tokens"]["label"] in ("identical", "agrees", "DIFFERENCE") and "routing decisions" in (
         tmp_path / "out" / "upcycle.md").read_text()
+
+
+def test_harness_command_line_refuses_a_missing_text(tmp_path, capsys):
+    from swiglu_patch.evals.upcycle_harness import main as harness
+
+    rc = harness(["--out", str(tmp_path / "out"), "--fixture", str(ROOT / FIXTURE), "--text", str(tmp_path / "none.txt")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "none.txt: no such file" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
