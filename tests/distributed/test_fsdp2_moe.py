@@ -11,20 +11,15 @@ tests check it unsharded).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from distributed import launch
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import rel_err
-from training_stack.training_common import token_batches, train, train_backends
+from training_stack.training_common import token_batches, train_backends
 from transformers import AutoModelForCausalLM
 
-from swiglu_patch import apply_fused_mlp
 from zoo.tiny_zoo import tiny_config
 
 pytestmark = pytest.mark.slow
@@ -33,8 +28,6 @@ WORKER = Path(__file__).with_name("fsdp2_moe_worker.py")
 BUDGET_S = 300
 LR = 1e-2
 BATCHES = [b.tolist() for b in token_batches(2, 4, 10, 100)]  # two steps of [4, 10]; each rank takes [2, 10]
-LAUNCH_FAILURES = ("RendezvousConnectionError", "RendezvousTimeoutError", "EADDRINUSE", "Address already in use",
-                   "Connection refused", "gloo is not available", "No module named torch.distributed.run")
 BACKENDS = train_backends()
 
 
@@ -49,27 +42,9 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ranks(checkpoint, tmp_path_factory) -> list[dict]:
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("this torch build has no torch.distributed with the gloo backend; the FSDP2 tests need it")
-    out = tmp_path_factory.mktemp("fsdp2_moe")
+    """What each rank of one `torchrun --nproc-per-node 2` launch recorded, per backend."""
     backends = [b if isinstance(b, str) else b.values[0] for b in BACKENDS]
-    (out / "case.json").write_text(json.dumps(dict(path=str(checkpoint), backends=backends, batches=BATCHES, lr=LR)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent)] + sys.path)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
-           str(out / "case.json"), str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=BUDGET_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun --nproc-per-node 2 ran past its budget of {BUDGET_S} s; output tail:\n"
-                    f"{(e.stderr or b'')[-3000:]!r}")
-    log = proc.stdout + proc.stderr
-    files = [out / f"rank{r}.pt" for r in range(2)]
-    if proc.returncode != 0 and not any(f.exists() for f in files) and any(s in log for s in LAUNCH_FAILURES):
-        pytest.skip(f"torchrun could not start 2 gloo processes on this machine: {log[-1500:]}")
-    assert proc.returncode == 0 and all(f.exists() for f in files), f"torchrun failed (rc {proc.returncode}):\n" \
-                                                                    f"{log[-5000:]}"
-    return [torch.load(f, weights_only=False) for f in files]
+    return launch.ranks_of(WORKER, dict(path=str(checkpoint), backends=backends, batches=BATCHES, lr=LR), tmp_path_factory.mktemp("fsdp2_moe"), 2, BUDGET_S)
 
 
 def recorded(ranks, backend) -> list[dict]:
@@ -80,20 +55,7 @@ def recorded(ranks, backend) -> list[dict]:
 
 
 def unsharded(checkpoint, backend: str | None) -> dict:
-    """The single-process run on whole batches: losses, first-step gradients, trained state dict."""
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    if backend:
-        apply_fused_mlp(model, backend=backend)
-    grads = {}
-
-    class FirstGrads(torch.optim.AdamW):
-        def step(self, *a, **k):
-            if not grads:
-                grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
-            return super().step(*a, **k)
-
-    losses = train(model, [torch.tensor(b) for b in BATCHES], optimizer=FirstGrads(model.parameters(), lr=LR))
-    return dict(losses=losses, grads=grads, state=model.state_dict())
+    return launch.unsharded(checkpoint, backend, BATCHES, LR)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
