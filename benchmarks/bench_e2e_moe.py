@@ -28,11 +28,18 @@ in turns round by round, the order reversed every other round:
   kernel family, the experts modules' GPU and host time (where hooks can mark their forwards:
   not in a compiled one) and the host gap (wall - GPU);
 - agreement (always): logits on a probe prompt, the fraction of routing decisions (a layer's
-  top-k set for a token) that differ, and per `generate` row the first position where a
-  sequence's greedy tokens differ.
+  top-k set for a token) that differ, how unevenly the default routes that prompt (the busiest
+  expert's pairs over the mean, per layer), and per `generate` row the first position where a
+  sequence's greedy tokens differ;
+- watch (every prefill and generate row, `harness/step_watch.py`, no profiler): per mode the
+  host time of each prompt and decode-step forward and of `generate`'s loop between them, the
+  caching allocator's retries and peak reserved memory, the garbage collector's collections and
+  time, and the device's free memory; with the rates of each round, what tells host time,
+  allocator pressure, collector pauses and run-to-run noise apart.
 
 Order per model: prefill, then generate and profile with the dynamic cache, then with the static
-cache (whose compilation takes the longest). Writes OUT/<name>-<L>l/results.json (GPU, versions, commit: `swiglu_patch.provenance`), rewritten
+cache (whose compilation takes the longest; the capture check compiles the patched model first
+and saves each mode as it is done). Writes OUT/<name>-<L>l/results.json (GPU, versions, commit: `swiglu_patch.provenance`), rewritten
 after every part so that a run cut short keeps what it measured, and results.md.
 """
 
@@ -46,6 +53,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -56,6 +64,7 @@ from . import bench_e2e
 from .harness.cli import Parser, UsageError, guarded, read_json, require_cuda, write_json
 from .harness.host_time import synchronizer
 from .harness.report_e2e_moe import SCHEMA, render_markdown, summary_lines
+from .harness.step_watch import StepWatch
 
 PROG = "python -m benchmarks.bench_e2e_moe"
 PARTS = ("prefill", "generate", "profile")
@@ -204,6 +213,16 @@ def routing_differs(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return torch.cat(rows).float().mean().item()
 
 
+def routing_load(picks: list[torch.Tensor], config) -> dict:
+    """How unevenly the default's routing spreads a prompt's pairs: per layer, the busiest
+    expert's pairs over the mean per expert (1: even; E / top_k at most), and the experts used."""
+    experts = config.num_local_experts
+    loads = [torch.bincount(p.reshape(-1).long(), minlength=experts)[:experts].float() for p in picks]
+    busiest = [(c.max() / c.mean()).item() for c in loads]
+    return {"busiest_over_mean": busiest, "experts_used": [int((c > 0).sum()) for c in loads],
+            "pairs_per_layer": int(picks[0].numel()) if picks else 0}
+
+
 def _counters() -> tuple[dict, int]:
     from torch._dynamo.utils import counters
 
@@ -227,13 +246,19 @@ class _GraphReplays:
         torch.cuda.CUDAGraph.replay = self._replay
 
 
-def capture_check(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
+def capture_check(models: dict, args, device, vocab: int, gen: torch.Generator, sync, rows: list[dict],
+                  save: Callable[[], None]) -> None:
     """Per static batch and mode: the first `generate` call (it compiles) timed, with the graph
-    breaks and skipped CUDA graphs it added, then the CUDA graph replays of a second call."""
-    rows = []
+    breaks and skipped CUDA graphs it added, then the CUDA graph replays of a second call; each
+    mode's figures appended to `rows` and `save()` called as soon as they are known. The patched
+    model compiles first: its compile is the shorter (no grouped_mm), so a run cut by a time
+    limit while the default compiles keeps it."""
     for _cache, batch, call in bench_e2e.generate_cases(args, device, vocab, gen):
         row = {"batch": batch}
-        for mode, model in models.items():
+        rows.append(row)
+        for mode in sorted(models, key=lambda m: m != "patched"):
+            model = models[mode]
+            print(f"[bench_e2e_moe] static batch {batch}: compiling {mode} ({time.strftime('%H:%M:%S')})", flush=True)
             breaks0, skips0 = _counters()
             sync()
             t0 = time.perf_counter()
@@ -247,12 +272,10 @@ def capture_check(models: dict, args, device, vocab: int, gen: torch.Generator, 
             row[mode] = {"first_call_s": first_s, "cudagraph_skips": skips1 - skips0, "graph_replays": replays.count,
                          "graph_breaks": {k: v - breaks0.get(k, 0) for k, v in breaks1.items()
                                           if v != breaks0.get(k, 0)}}
-        rows.append(row)
-        print(f"[bench_e2e_moe] static batch {batch}: " + "; ".join(
-            f"{m} first call {row[m]['first_call_s']:.1f} s, {row[m]['graph_replays']} graph replays, "
-            f"{sum(row[m]['graph_breaks'].values())} graph breaks, {row[m]['cudagraph_skips']} cudagraph skips"
-            for m in models), flush=True)
-    return rows
+            save()
+            print(f"[bench_e2e_moe] static batch {batch}: {mode} first call {first_s:.1f} s, {replays.count} graph "
+                  f"replays, {sum(row[mode]['graph_breaks'].values())} graph breaks, "
+                  f"{row[mode]['cudagraph_skips']} cudagraph skips", flush=True)
 
 
 def profile_prefill(models: dict, args, device, vocab: int, gen: torch.Generator, sync) -> list[dict]:
@@ -322,12 +345,18 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
         probe = torch.randint(2, vocab, (1, min(512, max(args.prefill))), generator=gen).to(device)
         logits, routes = zip(*(routed_logits(m, probe) for m in models.values()))
         logits = dict(zip(models, logits))
-        data["agreement"] = bench_e2e.agreement(logits, []) | {"routing_differs": routing_differs(*routes)}
+        data["agreement"] = bench_e2e.agreement(logits, []) | {"routing_differs": routing_differs(*routes),
+                                                               "routing_load": routing_load(routes[0], cfg)}
         del routes
         write_json(data, path)  # a run cut short keeps the agreement of logits and routing
         if "prefill" in args.parts:
-            data["prefill"] = bench_e2e.measure_prefill(models, args, device, vocab, gen, sync)
-            write_json(data, path)
+            data["prefill"] = []
+            for p_len in args.prefill:
+                with StepWatch(models, device.type == "cuda") as watch:
+                    (row,) = bench_e2e.measure_prefill(models, _narrow(args, prefill=[p_len]), device, vocab, gen,
+                                                       sync)
+                data["prefill"].append(row | {"watch": watch.summary()})
+                write_json(data, path)
         if "profile" in args.parts:
             data["prefill_profile"] = profile_prefill(models, args, device, vocab, gen, sync)
             write_json(data, path)
@@ -336,11 +365,15 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
             if "generate" in args.parts and batches:
                 narrow = _narrow(args, cache=[cache], batches=batches)
                 if cache == "static":
-                    data["capture"] = capture_check(models, narrow, device, vocab, gen, sync)
+                    data["capture"] = []
+                    capture_check(models, narrow, device, vocab, gen, sync, data["capture"],
+                                  lambda: write_json(data, path))
+                for batch in batches:  # one row at a time, each watched
+                    with StepWatch(models, device.type == "cuda", hooks=cache == "dynamic") as watch:
+                        (row,) = bench_e2e.measure_generate(models, _narrow(narrow, batches=[batch]), device, vocab,
+                                                            gen, sync)
+                    data["generate"] = data.get("generate", []) + [row | {"watch": watch.summary()}]
                     write_json(data, path)
-                rows = bench_e2e.measure_generate(models, narrow, device, vocab, gen, sync)
-                data["generate"] = data.get("generate", []) + rows
-                write_json(data, path)
             profiled = [b for b in args.profile_batches if b in batches]
             if "profile" in args.parts and profiled:
                 narrow = _narrow(args, cache=[cache], batches=profiled)

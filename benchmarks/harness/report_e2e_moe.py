@@ -127,7 +127,10 @@ def _capture(data: dict) -> list[str]:
              "| batch | mode | first call s | graph replays in the next call | graph breaks | cudagraph skips |",
              "|---|---|---|---|---|---|"]
     for r in data["capture"]:
-        for mode in ("eager", "patched"):
+        for mode in ("patched", "eager"):
+            if mode not in r:  # cut by a time limit while compiling
+                lines.append(f"| {r['batch']} | {'default' if mode == 'eager' else mode} | not reached | | | |")
+                continue
             c = r[mode]
             breaks = "; ".join(f"{n} x {k}" for k, n in c["graph_breaks"].items()) or "0"
             lines.append(f"| {r['batch']} | {'default' if mode == 'eager' else mode} | {c['first_call_s']:.1f} | "
@@ -203,6 +206,51 @@ def _prefill_profile(data: dict) -> list[str]:
     return lines
 
 
+def _rates(row: dict, mode: str, work: float) -> str:
+    return ", ".join(f"{work / t:.1f}" for t in row[mode]["rounds_s"])
+
+
+def _ms_cell(count: int, ms: dict) -> str:
+    if not count:
+        return "–"
+    return f"{count}: {_f(ms['median'], '.2f')} ({_f(ms['p90'], '.2f')}, {_f(ms['max'], '.1f')})"
+
+
+def _watch_cells(w: dict) -> str:
+    gc_counts = "/".join(str(n) for n in w["gc_collections"])
+    return (f"{_ms_cell(w['prompts'], w['prompt_ms'])} | {_ms_cell(w['steps'], w['step_ms'])} | "
+            f"{_f(w['gap_ms']['median'], '.2f')} | {gc_counts} ({w['gc_ms']:.1f} ms) | {w['alloc_retries']} | "
+            f"{w['peak_reserved_gib']:.2f} / {w['peak_allocated_gib']:.2f} |")
+
+
+def _watch(data: dict) -> list[str]:
+    """Per watched row and mode: the rounds' rates, the forwards' host time, the collector and the allocator."""
+    rows = [("prefill", r["prompt"], r["prompt"], r) for r in data.get("prefill", []) if "watch" in r]
+    rows += [(f"generate {g['cache']}", g["batch"], g["batch"] * g["new_tokens"], g)
+             for g in data.get("generate", []) if "watch" in g]
+    if not rows:
+        return []
+    lines = ["", "## Host, collector and allocator per row (no profiler; every call of the row, first call included)",
+             "", "rates: tokens/s of each round, in order. prompt and step forwards: count: ms of one forward of "
+             "the model (hooks on its top module) over a prompt or a one-token decode step, median (p90, max): "
+             "host time, and any wait for the GPU inside it. gap ms: median from a forward's end to the same "
+             "model's next decode step (`generate`'s loop, its synchronisation included). gc: Python's collections by generation 0/1/2 (their time) charged to the mode whose "
+             "forward ran last. alloc retries: cudaMallocs that failed, freed the allocator's cache and retried. "
+             "reserved / allocated: the most seen after a forward. A compiled (static) row has no hooks: its "
+             "figures are the row's, under all.", "",
+             "| row | batch or prompt | mode | rates per round | prompt forwards | step forwards | gap ms | gc | alloc retries | "
+             "reserved / allocated GiB | free GiB, start / end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for what, size, work, r in rows:
+        w = r["watch"]
+        free = "/".join(_f(x, ".1f") for x in w["free_gib"])
+        for mode in ("eager", "patched"):
+            name = "default" if mode == "eager" else mode
+            figures = _watch_cells(w[mode]) if mode in w else (_watch_cells(w["all"]) if mode == "eager"
+                                                                else "| | | | | |")
+            lines.append(f"| {what} | {size} | {name} | {_rates(r, mode, work)} | {figures} {free} |")
+    return lines
+
+
 def _agreement(data: dict) -> list[str]:
     a = data.get("agreement")
     if not a:
@@ -212,6 +260,12 @@ def _agreement(data: dict) -> list[str]:
              f"{a['rel_logit_diff']:.2e}, top-1 agreement {a['top1_agree']:.4f}",
              f"- routing decisions (a layer's top-k expert set for a token) that differ on that prompt: "
              f"{a['routing_differs']:.4%} (a flip in one layer changes the inputs of the next)"]
+    load = a.get("routing_load")
+    if load:
+        busy = load["busiest_over_mean"]
+        lines.append(f"- the default's routing of that prompt ({load['pairs_per_layer']} pairs a layer): the busiest "
+                     f"expert holds {min(busy):.1f}x to {max(busy):.1f}x the mean (median {sorted(busy)[len(busy) // 2]:.1f}x), "
+                     f"{min(load['experts_used'])} to {max(load['experts_used'])} experts used per layer")
     if a["generate_leading_tokens"]:
         lines.append("- leading greedy tokens equal (first sequence; fewest over the batch): " + ", ".join(
             f"{g['cache']} batch {g['batch']}: {g['equal']} ({g['fewest_equal']}) of {g['of']}"
@@ -223,7 +277,7 @@ def render_markdown(data: dict) -> str:
     """The whole report as markdown (parts a run did not reach are left out)."""
     lines = _header(data) + _targets(data)
     for key, part in (("prefill", _prefill), ("prefill_profile", _prefill_profile), ("generate", _generate),
-                      ("capture", _capture), ("profile", _profile)):
+                      ("capture", _capture), ("profile", _profile), ("generate", _watch)):
         if data.get(key):
             lines += part(data)
     return "\n".join(lines + _agreement(data)) + "\n"

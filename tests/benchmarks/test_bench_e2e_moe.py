@@ -48,9 +48,21 @@ def test_dry_run_of_qwen3_moe_every_part(tmp_path):
     assert pre["prompt"] == 16 and all(pre[mode]["mlp_calls"] == 2 for mode in ("eager", "patched"))
     a = data["agreement"]
     assert a["top1_agree"] == 1.0 and a["routing_differs"] < 0.05
+    load = a["routing_load"]
+    assert len(load["busiest_over_mean"]) == 2 and all(1.0 <= b <= 8 / 2 for b in load["busiest_over_mean"])
+    assert load["pairs_per_layer"] == 16 * 2 and all(2 <= n <= 8 for n in load["experts_used"])
+    # watched rows: 2 calls per mode (the untimed first one and 1 round), each a prompt and 2 decode steps
+    for mode in ("eager", "patched"):
+        w = data["generate"][0]["watch"][mode]
+        assert (w["prompts"], w["steps"], len(data["generate"][0]["watch"]["free_gib"])) == (2, 4, 2)
+        assert w["step_ms"]["median"] > 0 and w["gap_ms"]["median"] > 0 and w["alloc_retries"] == 0
+        w = data["prefill"][0]["watch"][mode]
+        assert (w["prompts"], w["steps"], w["gap_ms"]["median"]) == (2, 0, None)
+    assert set(data["generate"][1]["watch"]) == {"all", "free_gib"}  # the static row: no hooks
     md = (tmp_path / "qwen3-30b-a3b-2l" / "results.md").read_text()
-    for heading in ("## Against the targets", "## Prefill", "## Where a prefill's time goes", "## HF generate", "## Does the static-cache step capture?",
-                    "## Where a decode step's time goes", "## Agreement"):
+    for heading in ("## Against the targets", "## Prefill", "## Where a prefill's time goes", "## HF generate",
+                    "## Does the static-cache step capture?", "## Where a decode step's time goes",
+                    "## Host, collector and allocator per row", "## Agreement"):
         assert heading in md
     assert "dry run on CPU" in md and "abc123" in md and "all 1 equal" in md
     (tmp_path / "qwen3-30b-a3b-2l" / "results.md").unlink()
@@ -76,6 +88,25 @@ def test_a_run_cut_short_keeps_what_it_measured(tmp_path, monkeypatch):
     data = json.loads((tmp_path / "qwen3-30b-a3b-2l" / "results.json").read_text())
     assert [p["prompt"] for p in data["prefill"]] == [16] and "generate" not in data
     assert data["agreement"]["top1_agree"] == 1.0 and data["agreement"]["routing_differs"] < 0.05
+
+
+def test_a_run_cut_while_the_default_compiles_keeps_the_patched_capture(tmp_path, monkeypatch):
+    entered = []
+
+    class Cut(bench_e2e_moe._GraphReplays):
+        def __enter__(self):
+            entered.append(1)
+            if len(entered) == 2:  # the second mode's counted call
+                raise RuntimeError("cut by the time limit")
+            return super().__enter__()
+
+    monkeypatch.setattr(bench_e2e_moe, "_GraphReplays", Cut)
+    with pytest.raises(RuntimeError, match="cut by the time limit"):
+        _dry_run(tmp_path, "qwen3-30b-a3b:2", "--parts", "generate", "--batches", "--static-batches", "1")
+    data = json.loads((tmp_path / "qwen3-30b-a3b-2l" / "results.json").read_text())
+    (row,) = data["capture"]
+    assert set(row) == {"batch", "patched"} and row["patched"]["first_call_s"] > 0
+    assert "| 1 | default | not reached |" in bench_e2e_moe.render_markdown(data)
 
 
 def test_the_patched_copy_shares_the_weights_not_the_config():
