@@ -110,7 +110,7 @@ def curves_agree(eager: list[float], patched: list[float], atol: float, rtol: fl
     return excess[worst] <= 0, excess[worst], worst
 
 
-def plot(eager, patched, path: Path, title: str) -> None:
+def plot(eager, patched, path: Path, title: str, baseline_label: str = "HF eager") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,14 +118,14 @@ def plot(eager, patched, path: Path, title: str) -> None:
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     steps = range(1, len(eager) + 1)
-    top.plot(steps, eager, label="HF eager", lw=1.2)
+    top.plot(steps, eager, label=baseline_label, lw=1.2)
     top.plot(steps, patched, label="swiglu-patch", lw=1.0, ls="--")
     top.set_ylabel("training loss")
     top.set_title(title, fontsize=9)
     top.legend()
     bottom.plot(steps, [p - e for e, p in zip(eager, patched)], lw=0.8, color="k")
     bottom.axhline(0, lw=0.5, color="grey")
-    bottom.set_ylabel("patched - eager")
+    bottom.set_ylabel(f"patched - {baseline_label.split()[-1]}")
     bottom.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
