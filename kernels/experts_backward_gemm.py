@@ -41,7 +41,8 @@ import triton.language as tl
 from .configs import KernelCapability, ceil_div
 from .experts_backward_config import ExpertsBackwardConfig
 from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
-                           _gate_up_strides, _precision)
+                           _gate_up_strides, _precision, project, project_launchers)
+from .experts_low_rank_jit import low_rank_segment
 from .experts_routing import expert_blocks
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
@@ -74,18 +75,20 @@ def experts_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: t
 
 @triton.jit
 def _experts_dh_kernel(
-    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
-    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS,
+    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr, lr_ptr, la_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS, R,
     stride_dym, stride_dyk,
     stride_rt, stride_rj,
     stride_de, stride_dn, stride_di,
     stride_dbe, stride_dbn,
     stride_pm, stride_dpm, stride_hm, stride_dwm,
+    stride_lm, stride_lae, stride_lar, stride_lai,
     TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(I, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
@@ -115,6 +118,9 @@ def _experts_dh_kernel(
                 db_ptrs += BLOCK_K * stride_dbn
             dy_ptrs += BLOCK_K * stride_dyk
             d_ptrs += BLOCK_K * stride_dn
+        if HAS_LOW_RANK:  # r more K steps: G += dout_lr[p] @ A_d[e] (dout_lr = s dOut[t] @ B_d[e])
+            acc = low_rank_segment(acc, lr_ptr, rows, mask_m, stride_lm, la_ptr + expert.to(tl.int64) * stride_lae,
+                                   stride_lar, stride_lai, offs_n, mask_n, R, BLOCK_R, INPUT_PRECISION)
         # -- epilogue: P's gate and up columns, h and the derivatives in fp32, one rounding per store --
         weight = tl.load(rw_ptr + tokens * stride_rt + (rows % TOP_K) * stride_rj, mask=mask_m, other=0.0)
         weight = weight.to(tl.float32)
@@ -194,11 +200,13 @@ def _experts_wgrad_kernel(
 
 @triton.jit
 def _experts_dx_kernel(
-    dp_ptr, pairs_ptr, blocks_ptr, w_ptr, dx_ptr,
-    NUM_PAIRS, NUM_BLOCKS, K, N2, NUM_EXPERTS,
+    dp_ptr, pairs_ptr, blocks_ptr, w_ptr, dx_ptr, lr_ptr, la_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K, N2, NUM_EXPERTS, R,
     stride_dpm, stride_we, stride_wn, stride_wk, stride_dxm,
+    stride_lm, stride_lae, stride_lar, stride_lak,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(K, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
@@ -221,6 +229,9 @@ def _experts_dx_kernel(
             acc = tl.dot(dp, w, acc, input_precision=INPUT_PRECISION)
             dp_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wn
+        if HAS_LOW_RANK:  # r more K steps: dx_pair += dP_lr[p] @ A[e] (dP_lr = s dP[p] @ B[e])
+            acc = low_rank_segment(acc, lr_ptr, rows, mask_m, stride_lm, la_ptr + expert.to(tl.int64) * stride_lae,
+                                   stride_lar, stride_lak, offs_n, mask_n, R, BLOCK_R, INPUT_PRECISION)
         dx_ptrs = dx_ptr + rows[:, None] * stride_dxm + offs_n[None, :]  # [BLOCK_M, BLOCK_N]
         tl.store(dx_ptrs, acc.to(dx_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -241,17 +252,25 @@ def expert_ranges(block_expert: torch.Tensor, num_experts: int) -> tuple[torch.T
     return torch.searchsorted(block_expert, experts), torch.searchsorted(block_expert, experts, right=True)
 
 
-def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
+def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bias: bool, top_k: int,
+                  low_rank: tuple[int, int] = (0, 0)):
     """A launcher `(dout [T, K_out], x [T, K], top_k_index, top_k_weights [T, TOP_K], gate_up, down,
-    gate_up_bias or None, down_bias or None, preact [S, 2I] or None, needs) -> (dx, dgate_up, ddown,
-    dgate_up_bias, ddown_bias, dweights)` for one (config, epilogue constexprs plus APPROX_TANH,
-    `ExpertsLayout`, bias, TOP_K). preact None recomputes P (the forward's gated kernel); a given
-    preact is overwritten with dP. needs: six bools, which of the six gradients to compute (the
-    others are None). The weight gradients are new contiguous tensors of the weights' shapes;
-    dx is [T, K] and dweights [T, TOP_K] in top_k_weights' dtype. Arguments are checked by the
-    caller (`experts_backward.experts_backward`)."""
+    gate_up_bias or None, down_bias or None, preact [S, 2I] or None, needs, lora=None, lora_needs=None)
+    -> (dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dweights)` for one (config, epilogue
+    constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K, low_rank). preact None recomputes P
+    (the forward's gated kernel); a given preact is overwritten with dP. needs: six bools, which of
+    the six gradients to compute (the others are None). The weight gradients are new contiguous
+    tensors of the weights' shapes; dx is [T, K] and dweights [T, TOP_K] in top_k_weights' dtype.
+
+    low_rank: BLOCK_R of the gate_up and the down adapters (0: none), as the forward's
+    (`experts_gemm.make_launcher`); lora is then its (gate_up_a, gate_up_b, gate_up_scale, down_a,
+    down_b, down_scale, x_lr, h_lr) with the x_lr and h_lr the forward wrote, lora_needs four bools
+    (gate_up_a, gate_up_b, down_a, down_b), and the result gains their four gradients (None where
+    not needed), [E, r, in] and [E, out, r] contiguous. Arguments are checked by the caller
+    (`experts_backward.experts_backward`, `experts_low_rank.experts_low_rank_backward`)."""
     step = 1 if layout.concatenated else 2
     bm = config.block_m
+    lr_gu, lr_d = low_rank
 
     def variants(kernel, stage_elems: int, **constexprs):
         """Launchers per (tl.dot precision, element size): the pipeline's stages cut to fit
@@ -263,9 +282,10 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
 
     bk, bn = config.block_k, config.block_n
     recompute = variants(_experts_gated_gemm_kernel, bm * bk + 2 * bk * bn, TOP_K=top_k, GATE_STEP=step,
-                         HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m)
+                         HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+                         HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
     dh = variants(_experts_dh_kernel, bm * bk + bk * bn, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m)
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
     ba, bb = config.wgrad_block_a, config.wgrad_block_b
     wgrad = dict(TOP_K=top_k, HAS_BIAS=has_bias, BLOCK_A=ba, BLOCK_B=bb)
     dwd = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True,
@@ -273,11 +293,26 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     dwgu = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=False, B_BY_TOKEN=True, BIAS_WEIGHTED=False,
                     **wgrad)
     dxn, dxk = config.dx_block_n, config.dx_block_k
-    dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m)
+    dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m,
+                         HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
-    def launch(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs):
+    def lr_wgrad(block_a: int, block_b: int, a_by_token: bool, b_by_token: bool):
+        return variants(_experts_wgrad_kernel, bm * (block_a + block_b), TOP_K=top_k, HAS_BIAS=False, BLOCK_A=block_a,
+                        BLOCK_B=block_b, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BIAS_WEIGHTED=False)
+
+    if lr_gu:  # dA = dP_lr^T x, dB = dP^T x_lr; dP_lr = s dP @ B
+        d_a_gu, d_b_gu = lr_wgrad(lr_gu, bb, False, True), lr_wgrad(ba, lr_gu, False, False)
+        project_dp = project_launchers(top_k, bm, lr_gu, False)
+    if lr_d:  # dA_d = dout_lr^T (w h), dB_d = dOut^T (w h_lr); dout_lr = s dOut @ B_d
+        d_a_d, d_b_d = lr_wgrad(lr_d, bb, False, False), lr_wgrad(ba, lr_d, True, False)
+        project_dy = project_launchers(top_k, bm, lr_d, True)
+
+    def launch(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs, lora=None,
+               lora_needs=None):
         need_x, need_gu, need_d, need_gub, need_db, need_w = needs
+        a_gu, b_gu, s_gu, a_d, b_d, s_d, x_lr, h_lr = lora if lora is not None else (None,) * 8
+        need_agu, need_bgu, need_ad, need_bd = lora_needs if lora_needs is not None else (False,) * 4
         t, k = x.shape
         num_pairs, num_experts = t * top_k, gate_up.shape[0]
         inter = gate_up.shape[1 + layout.transposed] >> 1
@@ -292,25 +327,41 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         hw = x.new_empty((num_pairs, inter))
         if preact is None:  # recompute P (the forward's gated kernel; its h lands in hw, overwritten below)
             preact = x.new_empty((num_pairs, 2 * inter))
+            lr_args = (x_lr, b_gu, b_gu.shape[2]) if lr_gu else (x, x, 0)
+            lr_strides = (x_lr.stride(0), *b_gu.stride()) if lr_gu else (0, 0, 0, 0)
             recompute[precision](num_blocks * ceil_div(inter, config.block_n), device,
-                                 x, sorted_pairs, block_expert, gate_up, gu_bias, hw, preact,
-                                 num_pairs, num_blocks, k, inter, up_shift, num_experts, *x.stride(),
+                                 x, sorted_pairs, block_expert, gate_up, gu_bias, hw, preact, *lr_args[:2],
+                                 num_pairs, num_blocks, k, inter, up_shift, num_experts, lr_args[2], *x.stride(),
                                  *_gate_up_strides(gate_up, layout), gu_bias.stride(0), gu_bias.stride(1),
-                                 hw.stride(0), preact.stride(0))
+                                 hw.stride(0), preact.stride(0), *lr_strides)
         dpre = preact  # dP is written over P
+        dout_lr = None
+        if lr_d:  # dout_lr[p] = s dOut[t] @ B_d[e], the low-rank part of G
+            dout_lr = x.new_zeros((num_pairs, b_d.shape[2]))
+            project(project_dy, precision[0], dout, sorted_pairs, block_expert, b_d.transpose(1, 2), s_d, dout_lr,
+                    num_pairs)
+        lr_args = (dout_lr, a_d, a_d.shape[1]) if lr_d else (dout, dout, 0)
+        lr_strides = (dout_lr.stride(0), *a_d.stride()) if lr_d else (0, 0, 0, 0)
         tiles_i = ceil_div(inter, config.block_n)
         dw_part = torch.zeros((num_pairs, tiles_i), dtype=torch.float32, device=x.device)
         dh[precision](num_blocks * tiles_i, device,
                       dout, sorted_pairs, block_expert, top_k_weights, down, d_bias, preact, dpre, hw, dw_part,
-                      num_pairs, num_blocks, k_out, inter, up_shift, num_experts, *dout.stride(),
-                      *top_k_weights.stride(), *_down_strides(down, layout), d_bias.stride(0), d_bias.stride(1),
-                      preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0))
+                      *lr_args[:2], num_pairs, num_blocks, k_out, inter, up_shift, num_experts, lr_args[2],
+                      *dout.stride(), *top_k_weights.stride(), *_down_strides(down, layout), d_bias.stride(0),
+                      d_bias.stride(1), preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0), *lr_strides)
         dweights = dw_part.sum(1).view(t, top_k).to(top_k_weights.dtype) if need_w else None
         del dw_part
         dx = dgate_up = ddown = dgate_up_bias = ddown_bias = None
-        starts = ends = None
-        if need_d or need_db or need_gu or need_gub:
-            starts, ends = expert_ranges(block_expert, num_experts)
+        grads_lr = [None] * 4
+        starts, ends = expert_ranges(block_expert, num_experts)
+
+        def lr_grad(kernels, a, b, out):  # out[e] = sum over e's pairs a[row]^T b[row]
+            kernels[precision](num_experts * ceil_div(a.shape[1], kernels[precision].constexprs["BLOCK_A"])
+                               * ceil_div(b.shape[1], kernels[precision].constexprs["BLOCK_B"]), device,
+                               a, b, sorted_pairs, starts, ends, top_k_weights, out, out, num_pairs, a.shape[1],
+                               b.shape[1], *a.stride(), *b.stride(), *top_k_weights.stride(), *out.stride(), 0, 0)
+            return out
+
         if need_d or need_db:
             ddown = torch.empty_like(down, memory_format=torch.contiguous_format)
             ddown_bias = x.new_empty((num_experts, k_out)) if has_bias else None
@@ -319,7 +370,12 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
                            device, dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
                            num_pairs, k_out, inter, *dout.stride(), *hw.stride(), *top_k_weights.stride(),
                            *_down_strides(ddown, layout), db.stride(0), db.stride(1))
-        del hw
+        if lr_d and need_ad:
+            grads_lr[2] = lr_grad(d_a_d, dout_lr, hw, x.new_empty(a_d.shape))
+        if lr_d and need_bd:
+            h_lr_w = (h_lr.float() * top_k_weights.reshape(-1, 1).float()).to(x.dtype)
+            grads_lr[3] = lr_grad(d_b_d, dout, h_lr_w, x.new_empty(b_d.shape))
+        del hw, dout_lr
         if need_gu or need_gub:
             dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
             dgate_up_bias = x.new_empty((num_experts, 2 * inter)) if has_bias else None
@@ -328,17 +384,29 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
                             device, dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
                             num_pairs, 2 * inter, k, *dpre.stride(), *x.stride(), *top_k_weights.stride(),
                             *_gate_up_strides(dgate_up, layout), db.stride(0), db.stride(1))
+        dp_lr = None
+        if lr_gu and (need_x or need_agu):  # dP_lr[p] = s dP[p] @ B[e]
+            dp_lr = x.new_zeros((num_pairs, b_gu.shape[2]))
+            project(project_dp, precision[0], dpre, sorted_pairs, block_expert, b_gu.transpose(1, 2), s_gu, dp_lr,
+                    num_pairs)
+        if lr_gu and need_agu:
+            grads_lr[0] = lr_grad(d_a_gu, dp_lr, x, x.new_empty(a_gu.shape))
+        if lr_gu and need_bgu:
+            grads_lr[1] = lr_grad(d_b_gu, dpre, x_lr, x.new_empty(b_gu.shape))
         if need_x:
             dx_pairs = x.new_empty((num_pairs, k))
             gs = _gate_up_strides(gate_up, layout)  # (expert, 2I-axis, K-axis)
+            lr_args = (dp_lr, a_gu, a_gu.shape[1]) if lr_gu else (dpre, dpre, 0)
+            lr_strides = (dp_lr.stride(0), *a_gu.stride()) if lr_gu else (0, 0, 0, 0)
             dx_kernel[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
-                                 dpre, sorted_pairs, block_expert, gate_up, dx_pairs,
-                                 num_pairs, num_blocks, k, 2 * inter, num_experts,
-                                 dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0))
+                                 dpre, sorted_pairs, block_expert, gate_up, dx_pairs, *lr_args[:2],
+                                 num_pairs, num_blocks, k, 2 * inter, num_experts, lr_args[2],
+                                 dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0), *lr_strides)
             dx = x.new_empty((t, k))
             combine(t * ceil_div(k, COMBINE_BLOCK), device, dx_pairs, top_k_index, dx, k, num_experts,
                     dx_pairs.stride(0), *top_k_index.stride(), *dx.stride())
-        return (dx, dgate_up if need_gu else None, ddown if need_d else None,
-                dgate_up_bias if need_gub else None, ddown_bias if need_db else None, dweights)
+        grads = (dx, dgate_up if need_gu else None, ddown if need_d else None,
+                 dgate_up_bias if need_gub else None, ddown_bias if need_db else None, dweights)
+        return grads if lora is None else grads + tuple(grads_lr)
 
     return launch

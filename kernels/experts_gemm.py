@@ -35,6 +35,7 @@ import triton.language as tl
 
 from .configs import ExpertsConfig, KernelCapability, ceil_div
 from .experts_jit import experts_epilogue
+from .experts_low_rank_jit import _experts_project_kernel, low_rank_segment
 from .experts_routing import expert_blocks
 from .jit_common import tile_pid
 from .launcher import FastLaunch
@@ -42,17 +43,19 @@ from .launcher import FastLaunch
 
 @triton.jit
 def _experts_gated_gemm_kernel(
-    x_ptr, pairs_ptr, blocks_ptr, w_ptr, b_ptr, h_ptr, p_ptr,
-    NUM_PAIRS, NUM_BLOCKS, K, I, UP_SHIFT, NUM_EXPERTS,
+    x_ptr, pairs_ptr, blocks_ptr, w_ptr, b_ptr, h_ptr, p_ptr, lr_ptr, lb_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K, I, UP_SHIFT, NUM_EXPERTS, R,
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
     stride_be, stride_bn,
     stride_hm, stride_pm,
+    stride_lm, stride_lbe, stride_lbn, stride_lbr,
     TOP_K: tl.constexpr, GATE_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_PREACT: tl.constexpr,
     ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(I, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
@@ -80,6 +83,10 @@ def _experts_gated_gemm_kernel(
                 acc = tl.dot(xt, wt, acc, input_precision=INPUT_PRECISION)
                 x_ptrs += BLOCK_K * stride_xk
                 w_ptrs += BLOCK_K * stride_wk
+            if HAS_LOW_RANK:  # r more K steps: x_lr[p] @ B[e]^T
+                acc = low_rank_segment(acc, lr_ptr, pairs.to(tl.int64), mask_m, stride_lm,
+                                       lb_ptr + expert.to(tl.int64) * stride_lbe, stride_lbr, stride_lbn, pair_cols,
+                                       mask_pair, R, BLOCK_R, INPUT_PRECISION)
             if HAS_BIAS:
                 b_pair = tl.load(b_ptr + expert.to(tl.int64) * stride_be + pair_cols * stride_bn, mask=mask_pair,
                                  other=0.0).to(tl.float32)
@@ -104,6 +111,12 @@ def _experts_gated_gemm_kernel(
                 x_ptrs += BLOCK_K * stride_xk
                 wg_ptrs += BLOCK_K * stride_wk
                 wu_ptrs += BLOCK_K * stride_wk
+            if HAS_LOW_RANK:  # r more K steps: x_lr[p] @ B[e]^T, on the gate and the up columns
+                lb_base = lb_ptr + expert.to(tl.int64) * stride_lbe
+                acc_gate = low_rank_segment(acc_gate, lr_ptr, pairs.to(tl.int64), mask_m, stride_lm, lb_base,
+                                            stride_lbr, stride_lbn, gate_cols, mask_n, R, BLOCK_R, INPUT_PRECISION)
+                acc_up = low_rank_segment(acc_up, lr_ptr, pairs.to(tl.int64), mask_m, stride_lm, lb_base, stride_lbr,
+                                          stride_lbn, gate_cols + UP_SHIFT, mask_n, R, BLOCK_R, INPUT_PRECISION)
             # -- epilogue: bias, the gated math in fp32, one rounding, one store --
             if HAS_BIAS:
                 b_base = b_ptr + expert.to(tl.int64) * stride_be
@@ -122,15 +135,17 @@ def _experts_gated_gemm_kernel(
 
 @triton.jit
 def _experts_down_gemm_kernel(
-    h_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, y_ptr,
-    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS,
+    h_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, db_ptr, y_ptr, lr_ptr, lb_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, R,
     stride_hm,
     stride_rt, stride_rj,
     stride_de, stride_dn, stride_di,
     stride_dbe, stride_dbn,
     stride_ym,
+    stride_lm, stride_lbe, stride_lbn, stride_lbr,
     TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(K_OUT, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
@@ -153,6 +168,9 @@ def _experts_down_gemm_kernel(
             acc = tl.dot(ht, wd, acc, input_precision=INPUT_PRECISION)
             h_ptrs += BLOCK_K
             d_ptrs += BLOCK_K * stride_di
+        if HAS_LOW_RANK:  # r more K steps: h_lr[p] @ B_d[e]^T
+            acc = low_rank_segment(acc, lr_ptr, rows, mask_m, stride_lm, lb_ptr + expert.to(tl.int64) * stride_lbe,
+                                   stride_lbr, stride_lbn, offs_n, mask_n, R, BLOCK_R, INPUT_PRECISION)
         # -- epilogue: bias and routing weight in fp32, one rounding, stored at the pair's row --
         if HAS_BIAS:
             acc += tl.load(db_ptr + expert.to(tl.int64) * stride_dbe + offs_n * stride_dbn, mask=mask_n,
@@ -211,28 +229,53 @@ def can_run(*tensors) -> bool:
     return True
 
 
+def project_launchers(top_k: int, block_m: int, rank_block: int, by_token: bool, block_k: int = 64) -> dict:
+    """`_experts_project_kernel` launchers per tl.dot precision ("tf32", "ieee")."""
+    return {precision: FastLaunch(_experts_project_kernel, dict(
+        TOP_K=top_k, BY_TOKEN=by_token, INPUT_PRECISION=precision, BLOCK_M=block_m, BLOCK_R=rank_block,
+        BLOCK_K=block_k, num_warps=4)) for precision in ("tf32", "ieee")}
+
+
+def project(launchers: dict, precision: str, src: torch.Tensor, sorted_pairs: torch.Tensor,
+            block_expert: torch.Tensor, m: torch.Tensor, scale: float, out: torch.Tensor, num_pairs: int) -> None:
+    """out[p] = scale * src[row(p)] @ m[e]^T for every routed pair p (`_experts_project_kernel`):
+    src [T or S, n], m [E, r, n] any strides, out [S, r] with unit column stride."""
+    launchers[precision](block_expert.shape[0], src.get_device(), src, sorted_pairs, block_expert, m, out,
+                         num_pairs, src.shape[1], m.shape[1], m.shape[0], float(scale), *src.stride(), *m.stride(),
+                         out.stride(0))
+
+
 def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int,
-                  store_preact: bool = False):
+                  store_preact: bool = False, low_rank: tuple[int, int] = (0, 0)):
     """A launcher `(x [T, K], top_k_index [T, TOP_K], top_k_weights [T, TOP_K], gate_up, down,
-    gate_up_bias or None, down_bias or None, out [T, K_out], preact [S, 2I] or None) -> out` for one
-    (config, epilogue constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K, store_preact): the
-    routing prep (`experts_routing.expert_blocks`), both grouped GEMMs and the combine; with
-    store_preact the gated GEMM also writes each pair's pre-activation (bias added, before the
+    gate_up_bias or None, down_bias or None, out [T, K_out], preact [S, 2I] or None, lora=None) -> out` for one
+    (config, epilogue constexprs plus APPROX_TANH, `ExpertsLayout`, bias, TOP_K, store_preact,
+    low_rank): the routing prep (`experts_routing.expert_blocks`), both grouped GEMMs and the
+    combine; with store_preact the gated GEMM also writes each pair's pre-activation (bias added, before the
     epilogue, rounded once to x's dtype) into preact's row p, in the model's gate/up column order
-    (rows of sentinel pairs are not written). Arguments are checked by the caller
-    (`experts.experts_forward`, `experts_backward.experts_forward_with_preact`)."""
+    (rows of sentinel pairs are not written). low_rank: the low-rank segment's BLOCK_R of the
+    gate_up and the down GEMM (0: none); lora is then (gate_up_a [E, r, K], gate_up_b [E, 2I, r],
+    gate_up_scale, down_a [E, r, I], down_b [E, K_out, r], down_scale, x_lr [S, r], h_lr [S, r'])
+    (None for a projection without one), x_lr and h_lr written here (`experts_low_rank_jit`).
+    Arguments are checked by the caller (`experts.experts_forward`,
+    `experts_backward.experts_forward_with_preact`, `experts_low_rank.experts_low_rank_forward`)."""
     step = 1 if layout.concatenated else 2
+    lr_gu, lr_d = low_rank
     tiles = dict(BLOCK_M=config.block_m, GROUP_M=config.group_m, num_warps=config.num_warps,
                  num_stages=config.num_stages)
     gated = {precision: FastLaunch(_experts_gated_gemm_kernel, dict(
         TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, STORE_PREACT=store_preact, **epilogue, INPUT_PRECISION=precision,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, **tiles)) for precision in ("tf32", "ieee")}
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16, **tiles))
+        for precision in ("tf32", "ieee")}
     down_kernel = {precision: FastLaunch(_experts_down_gemm_kernel, dict(
         TOP_K=top_k, HAS_BIAS=has_bias, INPUT_PRECISION=precision, BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, **tiles)) for precision in ("tf32", "ieee")}
+        BLOCK_K=config.down_block_k, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16, **tiles))
+        for precision in ("tf32", "ieee")}
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
+    project_x = project_launchers(top_k, config.block_m, lr_gu, True) if lr_gu else None
+    project_h = project_launchers(top_k, config.block_m, lr_d, False) if lr_d else None
 
-    def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact=None):
+    def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact=None, lora=None):
         t, k = x.shape
         num_pairs, num_experts = t * top_k, gate_up.shape[0]
         inter = gate_up.shape[1 + layout.transposed] >> 1
@@ -246,14 +289,25 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
         dbias = down if down_bias is None else down_bias
         device = x.get_device()
         p = h if preact is None else preact  # not written without STORE_PREACT
+        a_gu, b_gu, s_gu, a_d, b_d, s_d, x_lr, h_lr = lora if lora is not None else (None,) * 8
+        if lr_gu:
+            project(project_x, precision, x, sorted_pairs, block_expert, a_gu, s_gu, x_lr, num_pairs)
+        lr_gu_args = (x_lr, b_gu, b_gu.shape[2]) if lr_gu else (x, x, 0)  # not read without HAS_LOW_RANK
+        lr_gu_strides = (x_lr.stride(0), *b_gu.stride()) if lr_gu else (0, 0, 0, 0)
         gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
-                         x, sorted_pairs, block_expert, gate_up, bias, h, p,
-                         num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, *x.stride(),
-                         *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0), p.stride(0))
+                         x, sorted_pairs, block_expert, gate_up, bias, h, p, *lr_gu_args[:2],
+                         num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, lr_gu_args[2],
+                         *x.stride(), *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0),
+                         p.stride(0), *lr_gu_strides)
+        if lr_d:
+            project(project_h, precision, h, sorted_pairs, block_expert, a_d, s_d, h_lr, num_pairs)
+        lr_d_args = (h_lr, b_d, b_d.shape[2]) if lr_d else (h, h, 0)
+        lr_d_strides = (h_lr.stride(0), *b_d.stride()) if lr_d else (0, 0, 0, 0)
         down_kernel[precision](num_blocks * ceil_div(k_out, config.down_block_n), device,
-                               h, sorted_pairs, block_expert, top_k_weights, down, dbias, y,
-                               num_pairs, num_blocks, k_out, inter, num_experts, h.stride(0), *top_k_weights.stride(),
-                               *_down_strides(down, layout), dbias.stride(0), dbias.stride(1), y.stride(0))
+                               h, sorted_pairs, block_expert, top_k_weights, down, dbias, y, *lr_d_args[:2],
+                               num_pairs, num_blocks, k_out, inter, num_experts, lr_d_args[2], h.stride(0),
+                               *top_k_weights.stride(), *_down_strides(down, layout), dbias.stride(0), dbias.stride(1),
+                               y.stride(0), *lr_d_strides)
         combine(t * ceil_div(k_out, COMBINE_BLOCK), device, y, top_k_index, out, k_out, num_experts, y.stride(0),
                 *top_k_index.stride(), *out.stride())
         return out

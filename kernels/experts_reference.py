@@ -20,6 +20,12 @@ in fp32, the bias and the routing weight are applied in fp32, and the TOP_K part
 summed in fp32 and rounded once to x's dtype. (transformers rounds each expert's down output
 to x's dtype before weighting it: ours rounds less.)
 
+LoRA on the experts (`ExpertsLowRank`), never materialized: an adapter on a projection W_e
+[out, in] adds s * (v @ A_e^T) @ B_e^T to its output for input rows v, A [E, r, in],
+B [E, out, r] (PEFT's `ParamWrapper` delta s * B_e @ A_e, in every layout): gate_up's before
+the bias and the epilogue, down's before the bias and the routing weight. The projections'
+v @ A_e^T * s are rounded to x's dtype, as the kernels' x_lr and h_lr are.
+
 The reference loops over the experts that were hit, in plain torch ops: differentiable, no
 cached tensors, one host synchronisation (the list of experts hit).
 """
@@ -27,6 +33,7 @@ cached tensors, one host synchronisation (the list of experts hit).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -80,6 +87,33 @@ class ExpertsEpilogue:
         return f"gpt-oss swiglu, alpha {self.alpha:g}, clamp {self.gated.limit:g}, (up + 1)"
 
 
+class ExpertsLowRank(NamedTuple):
+    """LoRA adapters on the experts' projections (see the module docstring); a projection
+    without one has None for its A and B.
+
+    Attributes:
+        gate_up_a: [E, r, K]; gate_up_b: [E, 2I, r], rows in the model's gate/up order.
+        gate_up_scale: s of gate_up's adapter.
+        down_a: [E, r', I]; down_b: [E, K_out, r'].
+        down_scale: s of down's adapter.
+    """
+
+    gate_up_a: torch.Tensor | None
+    gate_up_b: torch.Tensor | None
+    gate_up_scale: float
+    down_a: torch.Tensor | None
+    down_b: torch.Tensor | None
+    down_scale: float
+
+
+def _low_rank(v: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None, scale: float, e: int, out_dtype):
+    """s * (v @ a[e]^T) @ b[e]^T, the projection rounded to v's dtype; 0 without an adapter."""
+    if a is None:
+        return 0
+    v_lr = ((v @ a[e].t()).to(out_dtype) * scale).to(v.dtype)
+    return v_lr.to(out_dtype) @ b[e].t().to(out_dtype)
+
+
 def split_gate_up(pre: torch.Tensor, layout: ExpertsLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up), each [..., I], from a pre-activation [..., 2I] in `layout`'s order."""
     if layout.concatenated:
@@ -97,6 +131,7 @@ def experts_reference(
     layout: ExpertsLayout = ExpertsLayout(),
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    low_rank: ExpertsLowRank | None = None,
 ) -> torch.Tensor:
     """The experts block of the module docstring, expert by expert.
 
@@ -106,6 +141,7 @@ def experts_reference(
         top_k_weights: [T, TOP_K] routing weights (any float dtype).
         gate_up, down, gate_up_bias, down_bias: the experts' weights in `layout` (x's dtype).
         epilogue: the gated math.
+        low_rank: LoRA adapters on the projections (x's dtype), or None.
 
     Returns:
         [T, K] in x's dtype.
@@ -113,17 +149,20 @@ def experts_reference(
     num_experts = gate_up.shape[0]
     acc = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape[0], down.shape[2] if layout.transposed else down.shape[1], dtype=acc, device=x.device)
+    lr = low_rank or ExpertsLowRank(None, None, 1.0, None, None, 1.0)
     flat = top_k_index.reshape(-1)
     for e in torch.unique(flat[flat < num_experts]).tolist():
         token, slot = torch.nonzero(top_k_index == e, as_tuple=True)
         w_gu = gate_up[e] if layout.transposed else gate_up[e].t()
         pre = x[token] @ w_gu
+        if lr.gate_up_a is not None:
+            pre = (pre.to(acc) + _low_rank(x[token], lr.gate_up_a, lr.gate_up_b, lr.gate_up_scale, e, acc))
         if gate_up_bias is not None:
             pre = pre + gate_up_bias[e]
         gate, up = split_gate_up(pre, layout)
         h = epilogue.apply(gate.to(acc), up.to(acc)).to(x.dtype)
         w_d = down[e] if layout.transposed else down[e].t()
-        y = (h @ w_d).to(acc)
+        y = (h @ w_d).to(acc) + _low_rank(h, lr.down_a, lr.down_b, lr.down_scale, e, acc)
         if down_bias is not None:
             y = y + down_bias[e].to(acc)
         out = out.index_add(0, token, y * top_k_weights[token, slot].to(acc)[:, None])
