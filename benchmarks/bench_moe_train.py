@@ -3,6 +3,7 @@
     python -m benchmarks.bench_moe_train --out OUT [--shapes qwen3-30b-a3b olmoe-1b-7b] [--tokens 4096 16384]
     python -m benchmarks.bench_moe_train --dry-run --out /tmp/moe_train    # CPU, tiny shape, fp32
     python -m benchmarks.bench_moe_train --render OUT/results.json          # markdown only
+    python -m benchmarks.bench_moe_train --out OUT --sweep-only --sweep-configs w4 b64 --budget-s 420
 
 The experts module of a real model's shape as transformers builds it (`bench_moe.build_experts`:
 random bf16 weights from one seed, uniform routing), its parameters, x and the routing weights
@@ -23,7 +24,15 @@ autograd of `experts_reference` on the same inputs (the routing weights' include
 targets (issue's step 2): fwd+bwd at least 2x grouped_mm's speed and 1.6x Liger's; store mode
 saving no more than Liger; gradients within 2x grouped_mm's own error.
 
-Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
+--sweep times our backward alone (recompute mode, every gradient) with the rule's config and
+each of `--sweep-configs` (default all of `sweep_configs`), each config timed in turn beside the
+rule's and checked against the rule's gradients; `--sweep-only` skips the ways. A cold Triton
+cache compiles four kernels per config (tens of seconds each): pass a few configs per call and
+`--budget-s`, after which no way, config or row is started (what was skipped is recorded).
+
+Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) after every way's
+timing, every sweep config and every row, so a run cut by a time limit keeps what it measured,
+and OUT/results.md.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,7 +49,7 @@ from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
-from .harness.cli import Parser, UsageError, guarded, render_or_run, require_cuda
+from .harness.cli import Parser, UsageError, guarded, render_or_run, require_cuda, write_json
 
 PROG = "python -m benchmarks.bench_moe_train"
 SCHEMA = 1
@@ -61,6 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="also time our backward alone (recompute mode) with each candidate config of SWEEP per row, "
                         "with each kernel's CUDA time")
+    p.add_argument("--sweep-configs", nargs="+", choices=[k for k in SWEEP_NAMES if k != "rule"],
+                   help="the sweep's configs beside the rule's (default all)")
+    p.add_argument("--sweep-only", action="store_true", help="time only the sweep (implies --sweep), no ways")
+    p.add_argument("--budget-s", type=float, default=0.0,
+                   help="start no way, sweep config or row after this many seconds (0: no limit)")
     p.add_argument("--profile", action="store_true", help="per-kernel CUDA time of one step of each of our modes")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
@@ -69,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.render and args.out is None:
         p.error("--out is required (or --render a results.json)")
+    args.sweep = args.sweep or args.sweep_only or bool(args.sweep_configs)
     return args
 
 
@@ -77,8 +93,12 @@ def flops(shape: MoEShape, tokens: int) -> float:
     return 18.0 * tokens * shape.top_k * shape.k * shape.i
 
 
+SWEEP_NAMES = ("rule", "dh128_dxk128", "w4", "wg64x128_s4", "wg128x64_s4", "b64", "dx256", "dh128x128_s2", "s4",
+               "b64_w8")
+
+
 def sweep_configs() -> dict:
-    """Candidate configs of our backward that --sweep times (the rule's first)."""
+    """Candidate configs of our backward that --sweep times, by `SWEEP_NAMES` name (the rule's first: None)."""
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
 
     return {
@@ -90,30 +110,64 @@ def sweep_configs() -> dict:
         "b64": C(64, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
         "dx256": C(128, 64, 64, 256, 64, 128, 128, num_warps=8, num_stages=3),
         "dh128x128_s2": C(128, 128, 128, 128, 64, 128, 128, num_warps=8, num_stages=2),
+        "s4": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=4),
+        "b64_w8": C(64, 128, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
     }
 
 
-def sweep_fns(module, x, idx, w, dout) -> dict:
-    """Our backward alone (recompute mode, every gradient), once per `sweep_configs` entry."""
+def sweep_fn(module, x, idx, w, dout, config):
+    """Our backward alone (recompute mode, every gradient) with `config` (None: the rule's)."""
     from swiglu_patch.experts import experts_spec
     from swiglu_patch.kernels.experts_backward import experts_backward
 
     spec = experts_spec(module)
     args = (dout, x.detach(), idx, w.detach(), module.gate_up_proj.detach(), module.down_proj.detach(), spec.epilogue,
             spec.layout)
-    fns = {}
-    for name, config in sweep_configs().items():
-        def fn(c=config):
-            return experts_backward(*args, kernel="auto" if c is None else "experts_backward_grouped", config=c)
 
-        print(f"  [moe_train] sweep: compiling and checking {name}", flush=True)
-        try:
-            fn()  # compiles; a config the GPU cannot run is left out with its error
-        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-            print(f"  sweep {name}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+    def fn():
+        return experts_backward(*args, kernel="auto" if config is None else "experts_backward_grouped", config=config)
+    return fn
+
+
+def max_rel_diff(ours: tuple, ref: tuple) -> float:
+    """The largest relative (Frobenius) difference between two tuples of gradients (None entries skipped)."""
+    return max((float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+                for a, b in zip(ours, ref) if a is not None and b is not None), default=0.0)
+
+
+def sweep_row(module, x, idx, w, dout, names: list[str], timer, over_budget, flush, out: dict) -> None:
+    """Time the rule's backward and each named config's in turn (each beside the rule's, interleaved), each
+    checked against the rule's gradients, filling `out` and calling `flush()` after each config; starts no
+    config once `over_budget()`. On CPU (timer None) only the check runs.
+
+    `out` gets {"configs": {name: {"ms", "rule_ms", "max_rel_diff_vs_rule", "config", "kernels_us"} or
+    {"error"}}, "skipped": [names not started for the budget]}.
+    """
+    configs = sweep_configs()
+    rule = sweep_fn(module, x, idx, w, dout, None)
+    print("  [moe_train] sweep: compiling the rule's config", flush=True)
+    ref = tuple(None if g is None else g.clone() for g in rule())
+    out.update(configs={}, skipped=[])
+    for name in names:
+        if over_budget():
+            out["skipped"].append(name)
             continue
-        fns[f"backward[{name}]"] = fn
-    return fns
+        print(f"  [moe_train] sweep: compiling and checking {name}", flush=True)
+        fn = sweep_fn(module, x, idx, w, dout, configs[name])
+        try:
+            diff = max_rel_diff(fn(), ref)  # compiles; a config the GPU cannot run is recorded with its error
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            out["configs"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            print(f"  sweep {name}: {out['configs'][name]['error']}", flush=True)
+            flush()
+            continue
+        times = {"rule": None, name: None} if timer is None else timer.many({"rule": rule, name: fn})
+        ms = {k: None if v is None else v * 1e3 for k, v in times.items()}
+        out["configs"][name] = {"ms": ms[name], "rule_ms": ms["rule"], "max_rel_diff_vs_rule": diff,
+                                "config": vars(configs[name]), "kernels_us": None if timer is None else profile_of(fn)}
+        print(f"  sweep {name}: {_fmt(ms[name], '.2f')} ms (rule {_fmt(ms['rule'], '.2f')}), diff vs rule "
+              f"{diff:.1e}", flush=True)
+        flush()
 
 
 def profile_of(step) -> list:
@@ -252,60 +306,89 @@ def run(args: argparse.Namespace) -> dict:
     shapes = [TINY] if dry else [s for s in MOE_SHAPES if s.name in args.shapes]
     tokens_list = [5, 37] if dry else args.tokens
     timer = None if dry else EventTimer(cuda=True, reps=args.reps, rounds=3, warmup=2)
+    sweep_names = args.sweep_configs or [k for k in SWEEP_NAMES if k != "rule"]
     rows = []
+    data = {"kind": "moe_train", "schema": SCHEMA, "environment": environment(device, args.commit),
+            "dtype": str(dtype), "timer": None if dry else timer.describe(),
+            "shapes": {s.name: vars(s) for s in shapes}, "budget_s": args.budget_s, "not_started": [], "rows": rows}
+    t0 = time.perf_counter()
+
+    def over_budget() -> bool:
+        return bool(args.budget_s) and time.perf_counter() - t0 > args.budget_s
+
+    def flush() -> None:  # a run cut by its time limit keeps what it measured
+        data["wall_s"] = round(time.perf_counter() - t0, 1)
+        write_json(data, args.out / "results.json")
+
     for shape in shapes:
         module = build_experts(shape, device, dtype, args.seed).requires_grad_(True)
         for tokens in tokens_list:
+            if over_budget():
+                data["not_started"].append(f"{shape.name} T={tokens}")
+                continue
             idx, w = routing(shape, tokens, "uniform", device, args.seed)
             gen = torch.Generator().manual_seed(tokens)
             x = torch.randn(tokens, shape.k, generator=gen).to(device, dtype).requires_grad_()
             w = w.requires_grad_()
             dout = (torch.randn(tokens, shape.k, generator=gen) * shape.k ** -0.5).to(device, dtype)
-            leaves = leaves_of(module, x, w)
-            _progress(shape, tokens, "float64 reference gradients")
-            ref = reference_grads(module, x, idx, w, dout)
             row = {"shape": shape.name, "tokens": tokens, "flops": flops(shape, tokens), "ways": {}}
-            steps = {}
-            for name in args.ways:
-                if (name == "eager" and tokens > args.eager_max) or (name == "liger" and (dry or shape.gpt_oss)):
-                    continue
-                fn = way_fn(name, module, x, idx, w)
-                if fn is None:
-                    continue
-                _progress(shape, tokens, f"{name}: first call (compiles, autotunes), errors, memory")
-                try:
-                    errors = errors_of(step_fn(fn, leaves, dout), leaves, ref)
-                    row["ways"][name] = {"errors": errors, "max_error": max(errors.values()),
-                                         **memory_of(fn, leaves, dout)}
-                    steps[name] = step_fn(fn, leaves, dout)
-                except torch.OutOfMemoryError as e:  # a way that cannot run this row is recorded, not fatal
-                    row["ways"][name] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
-                    torch.cuda.empty_cache()
-            if not dry and steps:
-                _progress(shape, tokens, f"timing {', '.join(steps)}")
-                times = timer.many(steps)
-                for name, seconds in times.items():
-                    row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
-                if args.profile:
-                    row["profile_us"] = {name: profile_of(steps[name]) for name in steps if name.startswith("ours")}
-            if args.sweep and not dry:
-                with torch.no_grad():
-                    fns = sweep_fns(module, x, idx, w, dout)
-                    row["sweep_ms"] = {k: v * 1e3 for k, v in timer.many(fns).items()}
-                    row["sweep_kernels_us"] = {k: profile_of(fn) for k, fn in fns.items()}
-            row["targets"] = targets(row["ways"])
             rows.append(row)
+            if not args.sweep_only:
+                measure_ways(row, args, shape, module, x, idx, w, dout, timer, over_budget, flush)
+            if args.sweep:
+                _progress(shape, tokens, f"sweep of {', '.join(sweep_names)}")
+                row["sweep"] = {}
+                with torch.no_grad():
+                    sweep_row(module, x, idx, w, dout, sweep_names, timer, over_budget, flush, row["sweep"])
+            row["targets"] = targets(row["ways"])
+            flush()
             print(_line(row), flush=True)
-            for name, kernels in {**row.get("profile_us", {}), **row.get("sweep_kernels_us", {})}.items():
+            for name, kernels in row.get("profile_us", {}).items():
                 print(f"  {name} kernels us: " + ", ".join(f"{k.lstrip('_')[:28]} {v:.0f}" for k, v in kernels), flush=True)
-            del steps, leaves, ref, x, w, dout
+            del x, w, dout
         module.config._experts_implementation = "grouped_mm"
         del module
         if not dry:
             torch.cuda.empty_cache()
-    return {"kind": "moe_train", "schema": SCHEMA, "environment": environment(device, args.commit),
-            "dtype": str(dtype), "timer": None if dry else timer.describe(),
-            "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
+    return data
+
+
+def measure_ways(row: dict, args, shape: MoEShape, module, x, idx, w, dout, timer, over_budget, flush) -> None:
+    """Fill row["ways"]: each way's gradient errors against float64 and memory, then (on the GPU) all timed in
+    turns; a way not started for the budget is recorded with that reason."""
+    dry, tokens = args.dry_run, row["tokens"]
+    leaves = leaves_of(module, x, w)
+    _progress(shape, tokens, "float64 reference gradients")
+    ref = reference_grads(module, x, idx, w, dout)
+    steps = {}
+    for name in args.ways:
+        if (name == "eager" and tokens > args.eager_max) or (name == "liger" and (dry or shape.gpt_oss)):
+            continue
+        fn = way_fn(name, module, x, idx, w)
+        if fn is None:
+            continue
+        if over_budget():
+            row["ways"][name] = {"error": f"not started: --budget-s {args.budget_s:g} spent"}
+            continue
+        _progress(shape, tokens, f"{name}: first call (compiles, autotunes), errors, memory")
+        try:
+            errors = errors_of(step_fn(fn, leaves, dout), leaves, ref)
+            row["ways"][name] = {"errors": errors, "max_error": max(errors.values()), **memory_of(fn, leaves, dout)}
+            steps[name] = step_fn(fn, leaves, dout)
+        except torch.OutOfMemoryError as e:  # a way that cannot run this row is recorded, not fatal
+            row["ways"][name] = {"error": f"OutOfMemoryError: {str(e).splitlines()[0]}"}
+            torch.cuda.empty_cache()
+        flush()
+    if not dry and steps:
+        _progress(shape, tokens, f"timing {', '.join(steps)}")
+        times = timer.many(steps)
+        for name, seconds in times.items():
+            row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
+        if args.profile:
+            row["profile_us"] = {name: profile_of(steps[name]) for name in steps if name.startswith("ours")}
+        flush()
+    for t in leaves.values():
+        t.grad = None
 
 
 def _progress(shape: MoEShape, tokens: int, what: str) -> None:
@@ -318,7 +401,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def _line(row: dict) -> str:
-    sweep = " ".join(f"{k}={v:.2f}" for k, v in row.get("sweep_ms", {}).items())
+    sweep = " ".join(f"{k}={_fmt(v.get('ms'), '.2f')}" for k, v in row.get("sweep", {}).get("configs", {}).items())
     parts = [f"{k}: {_fmt(v.get('ms'), '.2f')} ms {_fmt(v.get('tflops'), '.0f')} TF/s saved "
              f"{_fmt(v.get('saved_mib'), '.0f')} MiB err {_fmt(v.get('max_error'), '.1e')}" if "error" not in v
              else f"{k}: {v['error']}" for k, v in row["ways"].items()]
@@ -346,11 +429,28 @@ def render_markdown(data: dict) -> str:
                          f"{_fmt(v.get('tflops'), '.0f')} | {_fmt(v.get('saved_mib'), '.0f')} | "
                          f"{_fmt(v.get('peak_mib'), '.0f')} | {_fmt(v.get('max_error'), '.1e')} | "
                          + " | ".join(_fmt(errs.get(g), ".1e") for g in GRADS[:4]) + " |")
-    sweeps = [r for r in data["rows"] if r.get("sweep_ms")]
+    sweeps = [r for r in data["rows"] if r.get("sweep")]
     if sweeps:
-        lines += ["", "## Our backward alone (recompute mode) per config, ms", ""]
-        lines += [f"- {r['shape']} T={r['tokens']}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["sweep_ms"].items())
-                  for r in sweeps]
+        lines += ["", "## Our backward alone (recompute mode) per config, each timed beside the rule's", "",
+                  "| shape | T | config | ms | rule's ms | config / rule | max rel. diff vs rule | tiles |",
+                  "|---|---:|---|---:|---:|---:|---:|---|"]
+        for r in sweeps:
+            for name, v in r["sweep"]["configs"].items():
+                if "error" in v:
+                    lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {v['error']} | | | | |")
+                    continue
+                ratio = None if v["ms"] is None or not v["rule_ms"] else v["ms"] / v["rule_ms"]
+                c = v["config"]
+                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}, dX {c['dx_block_n']}x{c['dx_block_k']}, "
+                         f"dW {c['wgrad_block_a']}x{c['wgrad_block_b']}, w{c['num_warps']} s{c['num_stages']}")
+                lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {_fmt(v['ms'], '.2f')} | "
+                             f"{_fmt(v['rule_ms'], '.2f')} | {_fmt(ratio, '.3f')} | {v['max_rel_diff_vs_rule']:.1e} | "
+                             f"{tiles} |")
+            if r["sweep"].get("skipped"):
+                lines.append(f"| {r['shape']} | {r['tokens']} | not started (budget): "
+                             f"{', '.join(r['sweep']['skipped'])} | | | | | |")
+    if data.get("not_started"):
+        lines += ["", f"Rows not started (--budget-s {data.get('budget_s')}): {', '.join(data['not_started'])}."]
     lines += ["", "## Targets", "", "| shape | T | target | met |", "|---|---:|---|---|"]
     for r in data["rows"]:
         for name, met in r["targets"].items():

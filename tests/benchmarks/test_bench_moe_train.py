@@ -55,3 +55,39 @@ def test_no_gpu_and_no_dry_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dry-run" in err
+
+
+def _interpreting() -> bool:
+    from swiglu_patch.kernels.device import interpreting
+
+    return interpreting()
+
+
+@pytest.mark.skipif(not _interpreting(), reason="the dry run runs the kernels in Triton's interpreter")
+def test_sweep_only_checks_each_config_against_the_rule_and_flushes_after_each(tmp_path, monkeypatch):
+    import benchmarks.bench_moe_train as bench
+
+    calls = []
+    real = bench.max_rel_diff
+
+    def cut_after_first(ours, ref):  # the run's time limit, arriving during the second config
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(ours, ref)
+    monkeypatch.setattr(bench, "max_rel_diff", cut_after_first)
+    with pytest.raises(KeyboardInterrupt):
+        main(["--dry-run", "--out", str(tmp_path), "--sweep-only", "--sweep-configs", "w4", "b64"])
+    kept = json.loads((tmp_path / "results.json").read_text())
+    (row,) = kept["rows"]
+    assert row["ways"] == {} and list(row["sweep"]["configs"]) == ["w4"]
+    assert row["sweep"]["configs"]["w4"]["max_rel_diff_vs_rule"] < 1e-5  # fp32: the same gradients as the rule's
+    assert row["sweep"]["configs"]["w4"]["config"]["num_warps"] == 4
+
+
+@pytest.mark.skipif(not _interpreting(), reason="the dry run runs the kernels in Triton's interpreter")
+def test_spent_budget_starts_nothing_and_says_so(tmp_path):
+    assert main(["--dry-run", "--out", str(tmp_path), "--sweep-configs", "w4", "--budget-s", "1e-9"]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["rows"] == [] and data["not_started"] == ["tiny T=5", "tiny T=37"]
+    assert "Rows not started" in (tmp_path / "results.md").read_text()
