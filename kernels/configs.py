@@ -43,6 +43,8 @@ class GatedGemmConfig:
         programs_per_sm: persistent TMA kernel: programs per SM (2: two share an SM).
         weight_boxes: grid TMA kernel: the weight read per K step as one [2*block_n, block_k]
             box (1) or as separate gate and up boxes (2).
+        max_registers: registers per thread the compiler may use (Triton's maxnreg), 0 for its
+            own choice; kernels that read it say so.
     """
 
     block_m: int
@@ -55,6 +57,7 @@ class GatedGemmConfig:
     split_tail: bool = False
     programs_per_sm: int = 1
     weight_boxes: int = 1
+    max_registers: int = 0
 
     def meta(self) -> dict:
         """The kernels' tile meta-parameters."""
@@ -70,6 +73,8 @@ class GatedGemmConfig:
             extras.append(f"{self.programs_per_sm}/SM")
         if self.weight_boxes != 1:
             extras.append(f"{self.weight_boxes} boxes")
+        if self.max_registers:
+            extras.append(f"r{self.max_registers}")
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}" + "".join(" " + e for e in extras))
 

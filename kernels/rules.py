@@ -156,11 +156,12 @@ RULES: tuple[Rule, ...] = (
 )
 
 # -- the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue (training) ---------
-# Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py`. The forward of training (storing
-# the pre-activation P) and LoRA's low-rank forward take `RULES`, skipping kernels without that
-# feature (each kernel file's CAPABILITY says which it has).
+# Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py`, `gated_backward_prefetch.py` (P
+# read before the main loop, plain stores), `gated_backward_split.py` (cuBLAS, then an elementwise
+# pass). The forward of training (storing the pre-activation P) and LoRA's low-rank forward take
+# `RULES`, skipping kernels without that feature (each kernel file's CAPABILITY says which it has).
 
-BACKWARD_KERNELS = ("backward_pointer", "backward_tma")
+BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_prefetch", "backward_split")
 
 BACKWARD_RULES: tuple[Rule, ...] = (
     Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,

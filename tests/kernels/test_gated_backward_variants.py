@@ -1,0 +1,95 @@
+"""The backward GEMM's prefetch and split kernels against float64 (`gated_backward_prefetch.py`,
+`gated_backward_split.py`): dP and h within twice eager's same-dtype error, in place or not,
+edge tiles, every epilogue, dh_in. On CPU they run under TRITON_INTERPRET=1 in fp16 (the
+prefetch kernel reads dY and Wd by TMA: 16-bit only) and fp32 (the split kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import CUDA, DEVICE, EPS, epilogue64, rel_err
+
+from swiglu_patch.kernels.configs import GatedGemmConfig as C
+from swiglu_patch.kernels.dispatch import MODULES, gated_backward
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.kernels.layout import split_interleaved
+
+SMALL = {"backward_prefetch": C(16, 32, 16, group_m=2), "backward_split": C(16, 32, 16, num_warps=4)}
+DTYPES = {"backward_prefetch": [torch.float16] + ([torch.bfloat16] if CUDA else []),
+          "backward_split": [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])}
+EPILOGUES = [GatedEpilogue("silu"), GatedEpilogue("silu", gate_scale=0.8839, out_scale=0.5859),
+             GatedEpilogue("silu", limit=1.0, clamp="gate"), GatedEpilogue("gelu_tanh", gate_scale=2.0, limit=2.5),
+             GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation")]
+
+
+def _case(m, k, i, dtype):
+    dy = torch.randn(m, k, device=DEVICE).to(dtype)
+    wd = (torch.randn(k, i, device=DEVICE) / i**0.5).to(dtype)
+    preact = torch.randn(m, 2 * i, device=DEVICE).to(dtype)
+    return dy, wd, preact
+
+
+def _check(dpreact, h, dy, wd, preact, epilogue, dh_in=None):
+    """dP (interleaved) and h within 2x eager's same-dtype error against float64 (+ EPS)."""
+    dh64 = dy.double() @ wd.double() + (0 if dh_in is None else dh_in.double())
+    gate, up = (t.requires_grad_() for t in split_interleaved(preact.double(), -1))
+    h64 = epilogue64(gate, up, epilogue)
+    ref = torch.cat(torch.autograd.grad(h64, (gate, up), dh64), -1)
+    gate_s, up_s = (t.requires_grad_() for t in split_interleaved(preact, -1))
+    h_same = GatedEpilogue.of(epilogue).apply(gate_s, up_s)
+    dh_same = dy @ wd + (0 if dh_in is None else dh_in)
+    same = torch.cat(torch.autograd.grad(h_same, (gate_s, up_s), dh_same), -1)
+    ours = torch.cat(split_interleaved(dpreact, -1), -1)
+    for name, o, s, r in (("dP", ours, same, ref), ("h", h, h_same.detach(), h64.detach())):
+        assert torch.isfinite(o).all(), f"{name}: non-finite"
+        bound = 2 * rel_err(s, r) + EPS[dy.dtype]
+        assert rel_err(o, r) <= bound, f"{name}: error {rel_err(o, r):.3g} > bound {bound:.3g}"
+
+
+def _run(kernel, dy, wd, preact, epilogue, in_place, dh_in=None):
+    m, i = preact.shape[0], wd.shape[1]
+    saved = preact.clone()
+    dpreact = preact if in_place else torch.full((m, 2 * i), float("nan"), dtype=dy.dtype, device=DEVICE)
+    h = torch.full((m, i), float("nan"), dtype=dy.dtype, device=DEVICE)
+    gated_backward(dy, wd, preact, epilogue, dpreact_out=dpreact, h_out=h, config=None if CUDA else SMALL[kernel],
+                   kernel=kernel, dh_in=dh_in)
+    if not in_place:
+        assert torch.equal(preact, saved), "P was written"
+    return dpreact, h, saved
+
+
+# (kernel, m, k, i): edge tiles in M and I (I a multiple of 16 but not of the tile), K past one step
+SHAPES = [("backward_prefetch", 1, 64, 48), ("backward_prefetch", 7, 40, 96), ("backward_prefetch", 37, 72, 80),
+          ("backward_split", 1, 64, 48), ("backward_split", 7, 50, 37), ("backward_split", 37, 72, 80)]
+
+
+@pytest.mark.parametrize("kernel,m,k,i", SHAPES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_backward_variant_matches_float64(kernel, m, k, i, in_place):
+    for dtype in DTYPES[kernel]:
+        dy, wd, preact = _case(m, k, i, dtype)
+        dpreact, h, saved = _run(kernel, dy, wd, preact, "silu", in_place)
+        _check(dpreact, h, dy, wd, saved, "silu")
+
+
+@pytest.mark.parametrize("kernel", list(SMALL))
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: repr(e)[:60])
+def test_backward_variant_computes_every_epilogue(kernel, epilogue):
+    dy, wd, preact = _case(37, 72, 64, DTYPES[kernel][0])
+    dpreact, h, saved = _run(kernel, dy, wd, preact, epilogue, in_place=True)
+    _check(dpreact, h, dy, wd, saved, epilogue)
+
+
+@pytest.mark.parametrize("kernel", list(SMALL))
+def test_backward_variant_adds_dh_in(kernel):
+    dy, wd, preact = _case(19, 40, 48, DTYPES[kernel][0])
+    dh_in = torch.randn(48, 19, device=DEVICE).to(dy.dtype).T  # non-contiguous
+    dpreact, h, saved = _run(kernel, dy, wd, preact, "silu", in_place=False, dh_in=dh_in)
+    _check(dpreact, h, dy, wd, saved, "silu", dh_in=dh_in)
+
+
+def test_prefetch_kernel_refuses_what_tma_cannot_read():
+    dy, wd, preact = _case(7, 40, 37, torch.float16)  # I % 16 != 0
+    assert not MODULES["backward_prefetch"].can_run(dy, wd, preact, preact, preact[:, :37])
+    with pytest.raises(ValueError, match="kernel='backward_prefetch' needs"):
+        gated_backward(dy, wd, preact, kernel="backward_prefetch")
