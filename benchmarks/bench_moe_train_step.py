@@ -20,7 +20,8 @@ q/k/v/o (`target_modules`) and on the experts' 3-D weights (`target_parameters`
 ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``); `get_peft_model` after patching.
 Which LoRA path ran is recorded per way from its first step: the calls of PEFT's
 `ParamWrapper.get_delta_weight` and `get_delta_factors` (each builds a full E x out x in weight
-or delta), and how many experts calls saw a parametrized (materialized W + s*B@A) weight.
+or delta), how many experts calls saw a parametrized (materialized W + s*B@A) weight, and how
+many had the adapter bound for the fused kernels to add inside the grouped GEMMs (no delta).
 
 Each way builds its model fresh, runs `--warmup` steps, then `--steps` timed steps (host clock
 around a synchronized step); the ways take turns over `--rounds` rounds, order reversed every
@@ -61,6 +62,7 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LORA_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA_TARGETS = {"time_over_grouped_mm": 0.6, "peak_over_grouped_mm": 0.7}  # the issue's LoRA step targets
 MIB = 2**20
+LORA_BOUND = "_swiglu_lora"  # on an experts module while swiglu_patch.experts_lora binds an adapter to it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -131,12 +133,14 @@ def lora_path_counter(model: torch.nn.Module):
     Yields a dict: "delta_weight_calls" and "delta_factors_calls" (PEFT's `ParamWrapper` methods
     that build a full delta or the factors of W + s*B@A), "experts_calls", and
     "experts_calls_parametrized" (calls whose module held a parametrized, materialized weight),
+    "experts_calls_lora_in_kernels" (calls with an adapter bound for the fused kernels to add inside
+    their GEMMs: `swiglu_patch.experts_lora`, where it is installed),
     "experts_implementation" (the implementations transformers was set to run, in call order).
     """
     from torch.nn.utils import parametrize
 
     counts = {"delta_weight_calls": 0, "delta_factors_calls": 0, "experts_calls": 0, "experts_calls_parametrized": 0,
-              "experts_implementation": []}
+              "experts_calls_lora_in_kernels": 0, "experts_implementation": []}
     patched = []
     try:
         from peft.tuners.lora.layer import ParamWrapper
@@ -157,6 +161,7 @@ def lora_path_counter(model: torch.nn.Module):
     def hook(module, _inputs):
         counts["experts_calls"] += 1
         counts["experts_calls_parametrized"] += int(parametrize.is_parametrized(module))
+        counts["experts_calls_lora_in_kernels"] += int(bool(module.__dict__.get(LORA_BOUND)))
         impl = getattr(module.config, "_experts_implementation", None)
         if impl not in counts["experts_implementation"]:
             counts["experts_implementation"].append(impl)

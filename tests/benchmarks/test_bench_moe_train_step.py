@@ -37,7 +37,9 @@ def test_dry_run_measures_every_way_on_its_own_path(tmp_path, lora):
         assert path["experts_implementation"] == ["grouped_mm" if way == "grouped_mm" else "swiglu_patch"], way
         assert path["experts_calls"] == 2  # 2 layers, one forward
         assert set(path) == {"delta_weight_calls", "delta_factors_calls", "experts_calls",
-                             "experts_calls_parametrized", "experts_implementation"}
+                             "experts_calls_parametrized", "experts_calls_lora_in_kernels", "experts_implementation"}
+        if lora and way == "grouped_mm":  # PEFT's own path: the weight parametrized, nothing bound
+            assert path["experts_calls_parametrized"] == 2 and path["experts_calls_lora_in_kernels"] == 0
         assert (e["trainable_params"] < 60_000) == bool(lora), e["trainable_params"]  # adapters only, or all
         if way != "grouped_mm":
             assert e["losses_within_tolerance"] and e["max_loss_diff"] < 1e-5, (way, e["losses"])
