@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import ops
+from . import experts_lora, experts_lora_ops, ops
 from .kernels.epilogue import GatedEpilogue
 from .kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
 from .registry import Refused, activation_of_module
@@ -236,6 +236,8 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     the routing weights their gradients, saving what the module's mode says (`set_experts_mode`:
     "store" keeps the pairs' [S, 2I] pre-activation, "recompute" only x); `experts_reference` is
     differentiable as it is. A module set by `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
+    PEFT's LoRA adapters bound to the module for this forward (`experts_lora`) are added inside the
+    grouped GEMMs (``swiglu_patch::experts_lora_train``), or inside `experts_reference`'s loop.
 
     Raises:
         ValueError: the module's math is not one the fused kernels run (`experts_spec`).
@@ -246,10 +248,11 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
         gate_up, down = params["gate_up_proj"], params["down_proj"]
         gate_up_bias = params["gate_up_proj_bias"] if spec.has_bias else None
         down_bias = params["down_proj_bias"] if spec.has_bias else None
-    else:  # parametrized (PEFT's target_parameters LoRA: W + s*B@A, materialized by the parametrization as PEFT does)
+    else:  # parametrized (PEFT's LoRA where `experts_lora` refused it: W + s*B@A, materialized as PEFT does)
         gate_up, down = module.gate_up_proj, module.down_proj
         gate_up_bias = module.gate_up_proj_bias if spec.has_bias else None
         down_bias = module.down_proj_bias if spec.has_bias else None
+    low_rank = experts_lora.bound_low_rank(module, hidden_states.dtype)  # PEFT's adapters, unmaterialized
     backend = module.__dict__.get("_swiglu_backend", "auto")
     if backend == "auto":
         backend = "triton" if hidden_states.is_cuda else "torch"
@@ -257,13 +260,19 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
         ops.resolve_backend(backend, hidden_states.device, "fused experts")  # names the fix off CUDA
     if backend == "torch":
         return experts_reference(hidden_states, top_k_index, top_k_weights, gate_up, down, spec.epilogue, spec.layout,
-                                 gate_up_bias, down_bias)
+                                 gate_up_bias, down_bias, low_rank)
     epilogue, layout = spec.epilogue, spec.layout
     args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha or 0.0, layout.transposed, layout.concatenated)
+    store = module.__dict__.get("_swiglu_experts_mode", "store") == "store"
+    if low_rank is not None:
+        needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias, *low_rank[:2], *low_rank[3:5]))
+        return experts_lora_ops.experts_lora_train_op(
+            hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *low_rank[:2],
+            *low_rank[3:5], low_rank.gate_up_scale, low_rank.down_scale, *args, store and needs_grad)[0]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
     if needs_grad:  # training: the op with the registered backward
-        store = module.__dict__.get("_swiglu_experts_mode", "store") == "store"
         return ops.experts_train_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
                                     *args, store)[0]
     if torch.compiler.is_compiling():  # one opaque op for the compiler
@@ -297,6 +306,7 @@ def register_implementation() -> None:
     except ImportError:  # a transformers without the experts interface: nothing to register with
         return
     ExpertsInterface.register(IMPLEMENTATION, fused_experts_forward)
+    experts_lora.install()  # PEFT's LoRA on these experts: inside the grouped GEMMs
 
 
 # -- switching a model's experts modules (apply_fused_mlp, unpatch) -------------------------------------------
