@@ -7,13 +7,14 @@ the rules ship: where a rule of `swiglu_patch.kernels.rules` gets its kernel and
     python -m benchmarks.tune --out OUT --sweep grid --tokens 2 8 16 32 64 128 --with-liger  # grid TMA tiles
     python -m benchmarks.tune --out OUT --sweep tail --tokens 256 512 1024 2048        # TMA split tail
     python -m benchmarks.tune --out OUT --sweep backward --shapes llama-3-8b           # training's backward GEMM
+    python -m benchmarks.tune --out OUT --sweep backward_variants --shapes llama-3-8b  # its kernels: TMA, prefetch, split
     python -m benchmarks.tune --out OUT --sweep preact --shapes llama-3-8b             # training's forward (P stored)
     python -m benchmarks.tune --dry-run --out /tmp/tune                                # CPU interpreter
 
 For each shape and M, every candidate of the sweep (a kernel name and a `GatedGemmConfig`)
 runs once through its op's public entry point with `config=cfg, kernel=name`
 (`harness/sweep_ops.py`: `gated_gemm`; `gated_gemm_with_preact` for `preact`; `gated_backward`
-for `backward`) and is checked against float64 on sampled rows; a wrong or failing candidate
+for `backward` and `backward_variants`) and is checked against float64 on sampled rows; a wrong or failing candidate
 is recorded and never timed. The candidates that pass are timed together with the cuBLAS GEMM
 of the same shape (`gemm_only`: x @ [Wg; Wu]^T, or dY @ Wd for `backward`) and with `shipped`,
 the call with kernel="auto" (what the rules choose: `dispatch.choose` names the forward's
@@ -23,7 +24,9 @@ rules for captured calls, so `shipped` is labelled with those, and every replaye
 checked against float64 too.
 
 Writes OUT/tune.json (rows: shape, m, bucket, label, kernel, config, status, rel_err, ms,
-gemm_only_ms, ratio; env: GPU, versions, commit) after every shape, and OUT/tune.md: per
+gemm_only_ms, ratio; env: GPU, versions, commit; for the backward sweeps `compiled`: registers,
+spills and shared memory of each compiled backward kernel) after every (shape, M) row, and
+OUT/tune.md: per
 (shape, M) the shipped and the best candidate's ratio to gemm_only, and per M bucket the
 candidate with the best geometric-mean ratio over the shapes (what a rule's config is copied
 from; the rule then cites the JSON in `sweep`).
@@ -126,6 +129,19 @@ BACKWARD_TILES = [
     ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3)), ("backward_pointer", C(16, 32, 64, num_warps=4,
                                                                                           num_stages=3)),
 ]
+# The backward's kernels side by side (`--sweep backward_variants`): today's TMA tile; the prefetch
+# kernel (P read before the main loop, plain stores: no epilogue staging, so deeper pipelines fit),
+# one and two programs per SM; the split (cuBLAS dH, then the elementwise pass) with two tiles.
+BACKWARD_VARIANTS = [
+    ("backward_tma", C(128, 128, 64, **_T)),
+    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 3})), ("backward_prefetch", C(128, 128, 64, **_T)),
+    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 5})),
+    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 6})),
+    ("backward_prefetch", C(128, 128, 128, **_T | {"num_stages": 3})),
+    ("backward_prefetch", C(128, 64, 64, **_T | {"num_warps": 4, "num_stages": 3, "programs_per_sm": 2})),
+    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128)),
+    ("backward_split", C(32, 128, 16, num_warps=4)), ("backward_split", C(64, 128, 16, num_warps=8)),
+]
 PREACT_TILES = [
     ("tma", C(128, 128, 64, **_T, split_tail=True)), ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, split_tail=True)),
     ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, warp_specialize=True, split_tail=True)),
@@ -196,6 +212,11 @@ def sweep_backward(m, k, i, shipped):
     return list(BACKWARD_TILES)
 
 
+def sweep_backward_variants(m, k, i, shipped):
+    """Training's backward GEMM (op `backward`): one tile of each kernel design, the prefetch kernel's pipeline depths."""
+    return list(BACKWARD_VARIANTS)
+
+
 def sweep_preact(m, k, i, shipped):
     """Training's forward storing P (op `preact`): TMA tiles with and without the split tail, two pointer tiles."""
     return list(PREACT_TILES)
@@ -203,8 +224,8 @@ def sweep_preact(m, k, i, shipped):
 
 SWEEPS = {"buckets": sweep_buckets, "decode": sweep_decode, "gemv": sweep_gemv, "grid": sweep_grid,
           "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired, "backward": sweep_backward,
-          "preact": sweep_preact}
-OP = {"backward": "backward", "preact": "preact"}  # the op each sweep times; "forward" otherwise
+          "backward_variants": sweep_backward_variants, "preact": sweep_preact}
+OP = {"backward": "backward", "backward_variants": "backward", "preact": "preact"}  # the op each sweep times; "forward" otherwise
 TRAIN_TOKENS = (4096, 8192)
 SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default)",
               "decode": "pointer tiles at M <= 16, and TMA small-M tiles", "gemv": "GEMV tiles at M = 1",
@@ -212,8 +233,9 @@ SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default
               "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
               "paired": "persistent TMA tiles with 1-4 programs per SM",
               "backward": "training's backward GEMM tiles (default M 4096 8192)",
+              "backward_variants": "training's backward GEMM: TMA, prefetch and split kernels (default M 4096 8192)",
               "preact": "training's forward tiles, P stored (default M 4096 8192)"}
-TMA_KERNELS = ("tma", "grid", "backward_tma")
+TMA_KERNELS = ("tma", "grid", "backward_tma", "backward_prefetch")
 
 
 def label(kernel: str, config: C) -> str:
@@ -318,6 +340,7 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
             continue
         row["status"] = "ok"
         fns[name] = fn
+        print(f"[tune]   {name}: checked, rel_err {err:.2e}, first call {row['first_call_s']:.1f} s", flush=True)
     if args.with_liger and act == "silu" and x.is_cuda and op_name == "forward":
         from .harness.ways import Operands, build
 
@@ -335,6 +358,35 @@ def run_row(shape, m: int, ops: dict, args, dispatch, timer, gen: torch.Generato
         if row["label"] in secs:
             row.update(ms=secs[row["label"]] * 1e3, gemm_only_ms=t_gemm, ratio=secs[row["label"]] * 1e3 / t_gemm)
     return rows
+
+
+def compiled_backward_kernels(ir_dir: Path | None = None) -> list[dict]:
+    """Registers, spills and shared memory of every backward kernel compiled so far (Triton's
+    per-function caches), and each one's TTGIR written under ir_dir (the study reads where the
+    compiler put its layout conversions)."""
+    from swiglu_patch.kernels import dispatch
+    from swiglu_patch.kernels.rules import BACKWARD_KERNELS
+
+    out = []
+    for name in BACKWARD_KERNELS:
+        for attr, fn in vars(dispatch.MODULES[name]).items():
+            for entry in getattr(fn, "device_caches", {}).values():
+                for n, (key, compiled) in enumerate(entry[0].items()):
+                    try:
+                        compiled._init_handles()
+                    except Exception:  # noqa: BLE001  (not loadable here: the metadata still says the rest)
+                        pass
+                    meta = compiled.metadata
+                    row = dict(kernel=name, function=attr, n_regs=getattr(compiled, "n_regs", None),
+                               n_spills=getattr(compiled, "n_spills", None), shared=getattr(meta, "shared", None),
+                               num_warps=getattr(meta, "num_warps", None), num_stages=getattr(meta, "num_stages", None),
+                               maxnreg=getattr(meta, "maxnreg", None), key=str(key)[-600:])
+                    if ir_dir is not None and "ttgir" in getattr(compiled, "asm", {}):
+                        ir_dir.mkdir(parents=True, exist_ok=True)
+                        row["ttgir"] = f"ir/{attr}_{n}.ttgir"
+                        (ir_dir / f"{attr}_{n}.ttgir").write_text(compiled.asm["ttgir"])
+                    out.append(row)
+    return out
 
 
 def _time_all(timer, fns: dict, rows: list[dict], x: torch.Tensor) -> dict[str, float]:
@@ -443,6 +495,9 @@ def run(args: argparse.Namespace) -> dict:
             ship = next(r for r in rows if r["role"] == "shipped")
             print(f"[tune] {shape.name:14s} M={m:6d} shipped {ship.get('ratio', float('nan')):.3f}  best "
                   + (f"{best['ratio']:.3f} {best['label']}" if best else "–"), flush=True)
+            if OP.get(args.sweep) == "backward":
+                data["compiled"] = compiled_backward_kernels(args.out / "ir")
+            write_json(data, args.out / "tune.json")
         del stacked, gate, up, ops
         if device.type == "cuda":
             torch.cuda.empty_cache()

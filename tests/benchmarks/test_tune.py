@@ -10,16 +10,15 @@ import torch
 
 from benchmarks import tune
 from benchmarks.harness.shapes import SHAPES, TP_SHARD_SHAPES
-from swiglu_patch.kernels import (dispatch, gated_backward_pointer, gated_backward_tma, gated_gemm_pointer,
-                                  gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
+from swiglu_patch.kernels import (dispatch, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.rules import BACKWARD_KERNELS, KERNELS
 
 MODULES = {"pointer": gated_gemm_pointer, "tma": gated_gemm_tma, "grid": gated_gemm_tma_grid, "gemv": gated_gemv}
-BACKWARD_MODULES = {"backward_pointer": gated_backward_pointer, "backward_tma": gated_backward_tma}
 
 SWEEP_TOKENS = {"buckets": [1, 32, 64, 128, 512, 8192], "decode": [1, 16], "gemv": [1], "grid": [2, 32, 64, 128],
-                "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512], "backward": [4096], "preact": [4096]}
+                "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512], "backward": [4096], "backward_variants": [4096],
+                "preact": [4096]}
 
 
 def _shipped(k, i):
@@ -42,9 +41,9 @@ def test_every_candidate_is_a_config_its_kernel_takes(sweep):
             labels = [tune.label(k, c) for k, c in cands]
             assert len(labels) == len(set(labels)), (sweep, m, labels)
             for kernel, config in cands:
-                if sweep == "backward":
+                if sweep in ("backward", "backward_variants"):
                     assert kernel in BACKWARD_KERNELS
-                    BACKWARD_MODULES[kernel].make_launcher(config, epilogue, torch.bfloat16)  # raises if refused
+                    dispatch.MODULES[kernel].make_launcher(config, epilogue, torch.bfloat16)  # raises if refused
                     continue
                 assert kernel in KERNELS
                 MODULES[kernel].make_launcher(config, epilogue, False, torch.bfloat16,
@@ -68,12 +67,16 @@ def test_dry_run_checks_and_times_against_the_shipped_rule(tmp_path):
     assert "# Sweep `decode` (float16)" in md and "bucket 1:" in md and "bucket 8:" in md
 
 
-@pytest.mark.parametrize("sweep", ["backward", "preact"])
+@pytest.mark.parametrize("sweep", ["backward", "backward_variants", "preact"])
 def test_the_training_sweeps_check_both_outputs_against_float64(tmp_path, sweep):
     assert tune.main(["--dry-run", "--out", str(tmp_path), "--sweep", sweep, "--tokens", "7", "33",
                       "--shapes", "tiny-silu"]) == 0
-    rows = json.loads((tmp_path / "tune.json").read_text())["rows"]
-    assert {r["op"] for r in rows} == {sweep} and {r["m"] for r in rows} == {7, 33}
+    data = json.loads((tmp_path / "tune.json").read_text())
+    rows = data["rows"]
+    assert {r["op"] for r in rows} == {tune.OP[sweep]} and {r["m"] for r in rows} == {7, 33}
+    if sweep == "backward_variants":  # the TMA kernels are skipped on CPU; the split kernel runs
+        assert {r["kernel"] for r in rows if r["status"] == "ok"} >= {"backward_split"}
+        assert isinstance(data["compiled"], list)
     ok = [r for r in rows if r["status"] == "ok"]
     assert {r["role"] for r in ok} == {"shipped", "candidate"}, rows
     assert all(r["ratio"] > 0 and r["rel_err"] < 2e-3 for r in ok)
