@@ -13,11 +13,19 @@ host synchronisation (no `.item()`), capturable in a CUDA graph, and the GEMMs l
 program per block of the capacity; unused blocks exit at once. Expert-parallel sentinels
 (ids >= E) get no row: nothing is computed for them.
 
-Two ways to the same layout: up to `KERNEL_PAIRS` pairs and `KERNEL_EXPERTS` experts, one
-program of `_expert_blocks_kernel` (a histogram, a bitonic sort of expert * 2^b + pair, two
-prefix sums, scattered stores: one launch, a few microseconds of host time); past that,
-`expert_blocks_torch` (a sort and a dozen small torch ops, whose host time a large call's GPU
-time hides).
+Three ways to the same layout, each a few microseconds of host time up to `KERNEL_EXPERTS`
+experts:
+
+- up to `KERNEL_PAIRS` pairs, one program of `_expert_blocks_kernel`: a histogram, a bitonic sort
+  of expert * 2^b + pair, two prefix sums, scattered stores (one launch);
+- past that, chunks of `CHUNK_PAIRS` pairs (`expert_blocks_chunked`, two launches, one program
+  per chunk): `_chunk_counts_kernel` stores each chunk's histogram [chunks, BLOCK_E] int32;
+  `_chunk_scatter_kernel` sums those into every expert's padded rows and the pairs of earlier
+  chunks, sorts its chunk like the one-program kernel and stores each pair at its expert's first
+  row + the expert's pairs in earlier chunks + its rank in the chunk; each program also writes
+  a share of the padding slots and of block_expert;
+- `expert_blocks_torch`: the same in torch ops (a sort and some twenty small ops, each a launch
+  on the GPU), for more experts than the kernels' histogram holds, and the tests' reference.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ from .launcher import FastLaunch
 
 KERNEL_PAIRS = 4096
 KERNEL_EXPERTS = 1023
+CHUNK_PAIRS = 1024
+_FILL = 1024  # padding slots one program writes per step
+_PAD = 16  # padding slots per expert written per step (an expert has fewer than BLOCK_M)
+_BLOCKS = 32  # block_expert entries one program writes per step
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -79,30 +91,136 @@ def _expert_blocks_kernel(
         tl.store(blocks_ptr + first_row // BLOCK_M + j, e.to(tl.int64), mask=(e < NUM_EXPERTS) & (j * BLOCK_M < padded))
 
 
-_ROUTING: dict[tuple, FastLaunch] = {}  # (BLOCK_S, BLOCK_E, block_m) -> its launcher (no tensors)
+@triton.jit
+def _chunk_counts_kernel(idx_ptr, hist_ptr, NUM_PAIRS, NUM_EXPERTS, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    chunk = tl.program_id(0)
+    pair = chunk * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(idx_ptr + pair, mask=pair < NUM_PAIRS, other=NUM_EXPERTS)
+    expert = tl.minimum(expert, NUM_EXPERTS).to(tl.int32)  # sentinels and padding -> E
+    tl.store(hist_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), tl.histogram(expert, BLOCK_E))
+
+
+@triton.jit
+def _chunk_scatter_kernel(
+    idx_ptr, hist_ptr, scratch_ptr, pairs_ptr, blocks_ptr,
+    NUM_PAIRS, NUM_EXPERTS, NUM_CHUNKS, CAPACITY, NUM_BLOCKS, FILL_STRIDE, BLOCKS_STRIDE,
+    CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+    FILL: tl.constexpr, PAD: tl.constexpr, BLOCKS: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    # -- per expert: its pairs in every chunk and in the chunks before this one --
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for r0 in range(0, NUM_CHUNKS, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        h = tl.load(hist_ptr + r[:, None] * BLOCK_E + e[None, :], mask=(r < NUM_CHUNKS)[:, None], other=0)
+        counts += tl.sum(h, 0)  # h: [ROWS, BLOCK_E]
+        before += tl.sum(tl.where((r < chunk)[:, None], h, 0), 0)
+    counts = tl.where(e < NUM_EXPERTS, counts, 0)
+    padded = (counts + (BLOCK_M - 1)) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, 0)
+    first_row = padded_end - padded
+    total = tl.sum(padded, 0)
+    own = tl.load(hist_ptr + chunk * BLOCK_E + e)
+    own = tl.where(e < NUM_EXPERTS, own, 0)
+    scratch = scratch_ptr + chunk * 2 * BLOCK_E
+    tl.store(scratch + e, first_row + before)
+    tl.store(scratch + BLOCK_E + e, tl.cumsum(own, 0) - own)  # each expert's first place in the sorted chunk
+    tl.debug_barrier()  # the scratch before the gathers from it
+    # -- this chunk's pairs sorted by (expert, pair), each stored at its expert's rows --
+    local = tl.arange(0, CHUNK)
+    pair = chunk * CHUNK + local
+    expert = tl.load(idx_ptr + pair, mask=pair < NUM_PAIRS, other=NUM_EXPERTS)
+    expert = tl.minimum(expert, NUM_EXPERTS).to(tl.int32)
+    key = tl.sort(expert * CHUNK + local)
+    sorted_expert = key // CHUNK
+    real = sorted_expert < NUM_EXPERTS
+    base = tl.load(scratch + sorted_expert, mask=real, other=0)
+    rank = local - tl.load(scratch + BLOCK_E + sorted_expert, mask=real, other=0)
+    tl.store(pairs_ptr + base + rank, (chunk * CHUNK + key % CHUNK).to(tl.int64), mask=real)
+    # -- padding slots: after the pairs of this program's experts (e % NUM_CHUNKS == chunk), and after all --
+    mine = (e < NUM_EXPERTS) & (e % NUM_CHUNKS == chunk)
+    pad_start, pad_len = first_row + counts, padded - counts
+    pad_value = tl.full((BLOCK_E, PAD), 0, tl.int64) + NUM_PAIRS
+    for j0 in range(0, BLOCK_M, PAD):
+        j = j0 + tl.arange(0, PAD)
+        tl.store(pairs_ptr + pad_start[:, None] + j[None, :], pad_value,
+                 mask=mine[:, None] & (j[None, :] < pad_len[:, None]))  # [BLOCK_E, PAD]
+    for start in range(0, CAPACITY, FILL_STRIDE):
+        offs = start + chunk * FILL + tl.arange(0, FILL)
+        tl.store(pairs_ptr + offs, tl.full((FILL,), 0, tl.int64) + NUM_PAIRS, mask=(offs >= total) & (offs < CAPACITY))
+    # -- the expert of each block: how many experts' rows end at or before its first row --
+    for start in range(0, NUM_BLOCKS, BLOCKS_STRIDE):
+        b = start + chunk * BLOCKS + tl.arange(0, BLOCKS)
+        row = b * BLOCK_M
+        owner = tl.sum((padded_end[None, :] <= row[:, None]).to(tl.int32), 1)  # [BLOCKS, BLOCK_E] summed
+        owner = tl.where(row < total, owner, NUM_EXPERTS)
+        tl.store(blocks_ptr + b, owner.to(tl.int64), mask=b < NUM_BLOCKS)
+
+
+_ROUTING: dict[tuple, FastLaunch] = {}  # (kernel, BLOCK_S or CHUNK, BLOCK_E, block_m) -> its launcher (no tensors)
+
+
+def _launcher(key: tuple, kernel, constexprs: dict) -> FastLaunch:
+    launch = _ROUTING.get(key)
+    if launch is None:
+        launch = _ROUTING[key] = FastLaunch(kernel, constexprs)
+    return launch
+
+
+def _flat(top_k_index: torch.Tensor) -> torch.Tensor:
+    flat = top_k_index.reshape(-1)
+    return flat if flat.is_contiguous() else flat.contiguous()
 
 
 def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pairs, block_expert) for `top_k_index` [T, TOP_K] (any integer dtype); see the module docstring."""
     num_pairs = top_k_index.numel()
-    if num_pairs > KERNEL_PAIRS or num_experts > KERNEL_EXPERTS or num_pairs == 0:
+    if num_experts > KERNEL_EXPERTS or num_pairs == 0:
         return expert_blocks_torch(top_k_index, num_experts, block_m)
+    if num_pairs > KERNEL_PAIRS:
+        return expert_blocks_chunked(top_k_index, num_experts, block_m)
     block_s = triton.next_power_of_2(num_pairs)
     block_e = triton.next_power_of_2(num_experts + 1)
     rows = capacity(num_pairs, num_experts, block_m)
     sorted_pairs = top_k_index.new_empty(rows, dtype=torch.int64)
     block_expert = top_k_index.new_empty(rows // block_m, dtype=torch.int64)
     scratch = top_k_index.new_empty(2 * block_e, dtype=torch.int32)
-    launch = _ROUTING.get((block_s, block_e, block_m))
-    if launch is None:
-        launch = _ROUTING[(block_s, block_e, block_m)] = FastLaunch(_expert_blocks_kernel, dict(
-            BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_M=block_m, MAX_BLOCKS=triton.cdiv(block_s, block_m),
-            FILL=1024, num_warps=4))
-    flat = top_k_index.reshape(-1)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    launch(1, top_k_index.get_device(), flat, sorted_pairs, block_expert, scratch, num_pairs, num_experts, rows,
-           rows // block_m)
+    launch = _launcher(("one", block_s, block_e, block_m), _expert_blocks_kernel, dict(
+        BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_M=block_m, MAX_BLOCKS=triton.cdiv(block_s, block_m), FILL=1024,
+        num_warps=4))
+    launch(1, top_k_index.get_device(), _flat(top_k_index), sorted_pairs, block_expert, scratch, num_pairs,
+           num_experts, rows, rows // block_m)
+    return sorted_pairs, block_expert
+
+
+def expert_blocks_chunked(top_k_index: torch.Tensor, num_experts: int, block_m: int,
+                          chunk: int = CHUNK_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_blocks` in chunks of `chunk` pairs (a power of 2), two launches for any number of
+    pairs; at most `KERNEL_EXPERTS` experts."""
+    num_pairs = top_k_index.numel()
+    if num_experts > KERNEL_EXPERTS or chunk & (chunk - 1):
+        raise ValueError(f"expert_blocks_chunked: at most {KERNEL_EXPERTS} experts and a power-of-2 chunk, got "
+                         f"{num_experts} experts and chunk {chunk}; use expert_blocks_torch")
+    block_e = triton.next_power_of_2(num_experts + 1)
+    chunks = max(1, triton.cdiv(num_pairs, chunk))
+    rows = capacity(num_pairs, num_experts, block_m)
+    num_blocks = rows // block_m
+    sorted_pairs = top_k_index.new_empty(rows, dtype=torch.int64)
+    block_expert = top_k_index.new_empty(num_blocks, dtype=torch.int64)
+    work = top_k_index.new_empty(3 * chunks * block_e, dtype=torch.int32)  # histograms, then 2 rows per chunk
+    hist, scratch = work[:chunks * block_e], work[chunks * block_e:]
+    flat, device = _flat(top_k_index), top_k_index.get_device()
+    warps = 4 if chunk <= 1024 else 8
+    _launcher(("counts", chunk, block_e, 0), _chunk_counts_kernel, dict(CHUNK=chunk, BLOCK_E=block_e,
+                                                                         num_warps=warps))(
+        chunks, device, flat, hist, num_pairs, num_experts)
+    _launcher(("scatter", chunk, block_e, block_m), _chunk_scatter_kernel, dict(
+        CHUNK=chunk, BLOCK_E=block_e, BLOCK_M=block_m, ROWS=max(1, min(32, 8192 // block_e)), FILL=_FILL, PAD=_PAD,
+        BLOCKS=_BLOCKS, num_warps=warps))(
+        chunks, device, flat, hist, scratch, sorted_pairs, block_expert, num_pairs, num_experts, chunks, rows,
+        num_blocks, chunks * _FILL, chunks * _BLOCKS)
     return sorted_pairs, block_expert
 
 
