@@ -34,6 +34,7 @@ from .kernels.experts_reference import ExpertsLowRank
 ADAPTED = ("gate_up_proj", "down_proj")
 _BOUND = "_swiglu_lora"  # on an experts module during a wrapper's forward: {parameter name: (wrapper, adapter)}
 _WARNED = "_swiglu_lora_warned"
+_MATERIALIZE = "_swiglu_lora_materialize"  # set by `materialize`: PEFT's own path, asked for
 _ORIGINAL = "_swiglu_original_activate_lora"  # on ParamWrapper: PEFT's own _activate_lora
 
 
@@ -68,6 +69,8 @@ def runs_fused(experts: nn.Module) -> bool:
 def refusal(wrapper: nn.Module, experts: nn.Module, adapters: list[str]) -> str | None:
     """Why this wrapper's adapters cannot run inside the fused GEMMs (None: they can)."""
     name = wrapper.parameter_name
+    if experts.__dict__.get(_MATERIALIZE):
+        return "materialize(model) asked for it"
     if name not in ADAPTED:
         return f"LoRA on {name} (only {ADAPTED} are fused)"
     if len(adapters) != 1:
@@ -101,7 +104,7 @@ def _activate_lora(self, active_adapters):
     reason = refusal(self, experts, adapters)
     if reason is not None:
         warned = experts.__dict__.setdefault(_WARNED, set())
-        if reason not in warned:
+        if reason not in warned and not experts.__dict__.get(_MATERIALIZE):
             warned.add(reason)
             warnings.warn(f"swiglu-patch: the fused experts run PEFT's materialized W + s*B@A for {reason}",
                           stacklevel=3)
@@ -141,3 +144,14 @@ def bound_low_rank(module: nn.Module, dtype: torch.dtype) -> ExpertsLowRank | No
         else:
             parts.extend((None, None, 1.0))
     return ExpertsLowRank(*parts)
+
+
+def materialize(model: nn.Module, on: bool = True) -> int:
+    """Run PEFT's own materialized LoRA (W + s*B@A) on every fused experts module in `model` (on=False:
+    the fused low-rank segments again): for comparisons and debugging. Returns how many modules were set."""
+    count = 0
+    for module in model.modules():
+        if runs_fused(module) and isinstance(module._parameters.get("gate_up_proj"), torch.Tensor):
+            module.__dict__[_MATERIALIZE] = on
+            count += 1
+    return count
