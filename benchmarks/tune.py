@@ -129,17 +129,20 @@ BACKWARD_TILES = [
     ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3)), ("backward_pointer", C(16, 32, 64, num_warps=4,
                                                                                           num_stages=3)),
 ]
-# The backward's kernels side by side (`--sweep backward_variants`): today's TMA tile; the prefetch
-# kernel (P read before the main loop, plain stores: no epilogue staging, so deeper pipelines fit),
-# one and two programs per SM; the split (cuBLAS dH, then the elementwise pass) with two tiles.
+# The backward's kernels side by side (`--sweep backward_variants`): the TMA kernel, today's tile and
+# its epilogue in four slices (less staging: a fifth stage, or two programs per SM at <= 128
+# registers); the prefetch kernel (P read before the main loop, plain stores: no epilogue staging,
+# so deeper pipelines fit), one and two programs per SM; the split (cuBLAS dH, then the elementwise
+# pass) with two tiles.
+_Q = dict(epilogue_subtiles=4)
 BACKWARD_VARIANTS = [
-    ("backward_tma", C(128, 128, 64, **_T)),
-    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 3})), ("backward_prefetch", C(128, 128, 64, **_T)),
-    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 5})),
+    ("backward_tma", C(128, 128, 64, **_T)), ("backward_tma", C(128, 128, 64, **_T, **_Q)),
+    ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 5}, **_Q)),
+    ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128, **_Q)),
+    ("backward_prefetch", C(128, 128, 64, **_T)), ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 5})),
     ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 6})),
     ("backward_prefetch", C(128, 128, 128, **_T | {"num_stages": 3})),
     ("backward_prefetch", C(128, 64, 64, **_T | {"num_warps": 4, "num_stages": 3, "programs_per_sm": 2})),
-    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128)),
     ("backward_split", C(32, 128, 16, num_warps=4)), ("backward_split", C(64, 128, 16, num_warps=8)),
 ]
 PREACT_TILES = [

@@ -45,6 +45,8 @@ class GatedGemmConfig:
             box (1) or as separate gate and up boxes (2).
         max_registers: registers per thread the compiler may use (Triton's maxnreg), 0 for its
             own choice; kernels that read it say so.
+        epilogue_subtiles: backward TMA kernel: the epilogue runs in this many column slices of
+            the tile (2 or 4; more slices, less shared memory and fewer registers).
     """
 
     block_m: int
@@ -58,6 +60,7 @@ class GatedGemmConfig:
     programs_per_sm: int = 1
     weight_boxes: int = 1
     max_registers: int = 0
+    epilogue_subtiles: int = 2
 
     def meta(self) -> dict:
         """The kernels' tile meta-parameters."""
@@ -75,6 +78,8 @@ class GatedGemmConfig:
             extras.append(f"{self.weight_boxes} boxes")
         if self.max_registers:
             extras.append(f"r{self.max_registers}")
+        if self.epilogue_subtiles != 2:
+            extras.append(f"epi/{self.epilogue_subtiles}")
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}" + "".join(" " + e for e in extras))
 

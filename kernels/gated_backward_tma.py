@@ -7,13 +7,13 @@ dP = (dH * dh/dgate, dH * dh/dup) from the matching tile of P, organised for lar
 - dY [M, K] and Wd [K, I] are read through TMA descriptors built on the device: per K step
   one [BLOCK_SIZE_M, BLOCK_SIZE_K] box of dY and one [BLOCK_SIZE_K, BLOCK_SIZE_N] box of Wd
   into one fp32 accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH.
-- the epilogue runs in two halves of BLOCK_SIZE_N / 2 output columns, each reading one
-  [BLOCK_SIZE_M, BLOCK_SIZE_N] box of P: BLOCK_SIZE_N is a multiple of 32, so a half's gate
-  and up columns are whole 16-column blocks of P, contiguous, at column 2 * (first output
-  column). The box is viewed as [BM, BN/32, 2, 16], the gate/up axis moved last and split;
-  dP goes back the same way into one [BM, BN] box, written over P when dP is P (the box is
-  read before it is written, and no other program touches it). Half-tiles halve the
-  epilogue's staging shared memory and registers.
+- the epilogue runs in SUBTILES (2 or 4: `config.epilogue_subtiles`) slices of
+  S = BLOCK_SIZE_N / SUBTILES output columns, each reading one [BLOCK_SIZE_M, 2 * S] box of P:
+  S is a multiple of 16, so a slice's gate and up columns are whole 16-column blocks of P,
+  contiguous, at column 2 * (first output column). The box is viewed as [BM, S/16, 2, 16], the
+  gate/up axis moved last and split; dP goes back the same way into one [BM, 2 * S] box,
+  written over P when dP is P (the box is read before it is written, and no other program
+  touches it). Slices divide the epilogue's staging shared memory and registers.
 - persistent programs (`config.programs_per_sm` per SM) walk the tiles in grouped order.
 - HAS_DH_IN: a further gradient of h, dh_in [M, I] (LoRA on the down projection sends one back
   through h), is added to each fp32 dH half before the derivative. It is read with plain
@@ -38,25 +38,25 @@ from .layout import GATE_UP_BLOCK
 
 
 @triton.jit
-def _epilogue_half(dh, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
-                   HAS_DH_IN: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
-                   GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
-                   GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, HALF_N: tl.constexpr):
-    """dH [BM, HALF_N] of output columns offs_n.. (plus dh_in there) -> h there and dP in P's
+def _epilogue_slice(dh, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
+                    HAS_DH_IN: tl.constexpr, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
+                    GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
+                    GATE_UP_BLOCK: tl.constexpr, BLOCK_SIZE_M: tl.constexpr, S: tl.constexpr):
+    """dH [BM, S] of output columns offs_n.. (plus dh_in there) -> h there and dP in P's
     columns 2*offs_n.. ."""
     if HAS_DH_IN:
         rows = offs_m + tl.arange(0, BLOCK_SIZE_M)
-        cols = offs_n + tl.arange(0, HALF_N)
+        cols = offs_n + tl.arange(0, S)
         dh_in = tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi,
                         mask=(rows[:, None] < M) & (cols[None, :] < I), other=0.0)
         dh += dh_in.to(tl.float32)
-    p = p_desc.load([offs_m, 2 * offs_n]).to(tl.float32)  # [BLOCK_SIZE_M, 2 * HALF_N], interleaved by 16
-    p = tl.permute(tl.reshape(p, (BLOCK_SIZE_M, HALF_N // GATE_UP_BLOCK, 2, GATE_UP_BLOCK)), (0, 1, 3, 2))
-    gate, up = tl.split(tl.reshape(p, (BLOCK_SIZE_M, HALF_N, 2)))  # [BLOCK_SIZE_M, HALF_N] each
+    p = p_desc.load([offs_m, 2 * offs_n]).to(tl.float32)  # [BLOCK_SIZE_M, 2 * S], interleaved by 16
+    p = tl.permute(tl.reshape(p, (BLOCK_SIZE_M, S // GATE_UP_BLOCK, 2, GATE_UP_BLOCK)), (0, 1, 3, 2))
+    gate, up = tl.split(tl.reshape(p, (BLOCK_SIZE_M, S, 2)))  # [BLOCK_SIZE_M, S] each
     h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT)
     dp = tl.reshape(tl.join(dgate.to(dp_desc.dtype), dup.to(dp_desc.dtype)),
-                    (BLOCK_SIZE_M, HALF_N // GATE_UP_BLOCK, GATE_UP_BLOCK, 2))
-    dp = tl.reshape(tl.permute(dp, (0, 1, 3, 2)), (BLOCK_SIZE_M, 2 * HALF_N))  # interleaved by 16, as P
+                    (BLOCK_SIZE_M, S // GATE_UP_BLOCK, GATE_UP_BLOCK, 2))
+    dp = tl.reshape(tl.permute(dp, (0, 1, 3, 2)), (BLOCK_SIZE_M, 2 * S))  # interleaved by 16, as P
     dp_desc.store([offs_m, 2 * offs_n], dp)
     h_desc.store([offs_m, offs_n], h.to(h_desc.dtype))
 
@@ -74,13 +74,14 @@ def _gated_backward_tma_kernel(
     GROUP_SIZE_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    SUBTILES: tl.constexpr,
 ):
-    HALF_N: tl.constexpr = BLOCK_SIZE_N // 2
+    S: tl.constexpr = BLOCK_SIZE_N // SUBTILES
     dy_desc = tl.make_tensor_descriptor(dy_ptr, [M, K], [stride_dym, 1], [BLOCK_SIZE_M, BLOCK_SIZE_K])
     wd_desc = tl.make_tensor_descriptor(wd_ptr, [K, I], [stride_wdk, 1], [BLOCK_SIZE_K, BLOCK_SIZE_N])
-    p_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
-    dp_desc = tl.make_tensor_descriptor(dp_ptr, [M, 2 * I], [stride_dpm, 1], [BLOCK_SIZE_M, BLOCK_SIZE_N])
-    h_desc = tl.make_tensor_descriptor(h_ptr, [M, I], [stride_hm, 1], [BLOCK_SIZE_M, HALF_N])
+    p_desc = tl.make_tensor_descriptor(p_ptr, [M, 2 * I], [stride_pm, 1], [BLOCK_SIZE_M, 2 * S])
+    dp_desc = tl.make_tensor_descriptor(dp_ptr, [M, 2 * I], [stride_dpm, 1], [BLOCK_SIZE_M, 2 * S])
+    h_desc = tl.make_tensor_descriptor(h_ptr, [M, I], [stride_hm, 1], [BLOCK_SIZE_M, S])
     num_pid_m = tl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = tl.cdiv(I, BLOCK_SIZE_N)
     num_tiles = num_pid_m * num_pid_n
@@ -100,14 +101,30 @@ def _gated_backward_tma_kernel(
             wd = wd_desc.load([ki * BLOCK_SIZE_K, offs_n])  # [BLOCK_SIZE_K, BLOCK_SIZE_N]
             acc = tl.dot(dy, wd, acc)
 
-        # -- epilogue, in two halves of output columns --
-        dh_lo, dh_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, HALF_N)), (0, 2, 1)))
-        _epilogue_half(dh_lo, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
-                       HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE,
-                       OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, HALF_N)
-        _epilogue_half(dh_hi, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m,
-                       offs_n + HALF_N, HAS_DH_IN, ACTIVATION, APPROX_TANH,
-                       GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, HALF_N)
+        # -- epilogue, in SUBTILES slices of S output columns --
+        dh_lo, dh_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_SIZE_M, 2, BLOCK_SIZE_N // 2)), (0, 2, 1)))
+        if SUBTILES == 2:
+            _epilogue_slice(dh_lo, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
+                            HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE,
+                            OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, S)
+            _epilogue_slice(dh_hi, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m,
+                            offs_n + S, HAS_DH_IN, ACTIVATION, APPROX_TANH,
+                            GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, S)
+        else:
+            dh0, dh1 = tl.split(tl.permute(tl.reshape(dh_lo, (BLOCK_SIZE_M, 2, S)), (0, 2, 1)))
+            dh2, dh3 = tl.split(tl.permute(tl.reshape(dh_hi, (BLOCK_SIZE_M, 2, S)), (0, 2, 1)))
+            _epilogue_slice(dh0, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n,
+                            HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
+                            BLOCK_SIZE_M, S)
+            _epilogue_slice(dh1, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m, offs_n + S,
+                            HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
+                            BLOCK_SIZE_M, S)
+            _epilogue_slice(dh2, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m,
+                            offs_n + 2 * S, HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT,
+                            GATE_UP_BLOCK, BLOCK_SIZE_M, S)
+            _epilogue_slice(dh3, p_desc, dp_desc, h_desc, dh_ptr, stride_dhm, stride_dhi, M, I, offs_m,
+                            offs_n + 3 * S, HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT,
+                            GATE_UP_BLOCK, BLOCK_SIZE_M, S)
 
 
 CAPABILITY = KernelCapability("backward_tma", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
@@ -124,15 +141,22 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
     running `config.programs_per_sm` persistent programs per SM, writing dP (may be preact itself)
     and h; the tensors passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without.
-    config.block_n must be a multiple of 2 * GATE_UP_BLOCK
-    (each epilogue half holds whole gate/up blocks). The device-built descriptors need Triton's
-    scratch allocator set (`dispatch` sets it)."""
-    if config.block_n % (2 * GATE_UP_BLOCK):
-        raise ValueError(f"gated_backward_tma: block_n must be a multiple of {2 * GATE_UP_BLOCK}, got {config.block_n}")
+    config.block_n must be a multiple of config.epilogue_subtiles * GATE_UP_BLOCK (each epilogue
+    slice holds whole gate/up blocks). The device-built descriptors need Triton's scratch
+    allocator set (`dispatch` sets it)."""
+    subtiles = config.epilogue_subtiles
+    if subtiles not in (2, 4):
+        raise ValueError(f"gated_backward_tma: epilogue_subtiles must be 2 or 4, got {subtiles}")
+    if config.block_n % (subtiles * GATE_UP_BLOCK):
+        raise ValueError(f"gated_backward_tma: block_n must be a multiple of {subtiles * GATE_UP_BLOCK} with "
+                         f"{subtiles} epilogue slices, got {config.block_n}")
     fixed = dict(
         HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
-        WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+        WARP_SPECIALIZE=config.warp_specialize, SUBTILES=subtiles, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
+    if config.max_registers:  # two programs per SM need <= 65536 / (2 * 32 * num_warps)
+        fixed["maxnreg"] = config.max_registers
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
     def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,

@@ -93,3 +93,23 @@ def test_prefetch_kernel_refuses_what_tma_cannot_read():
     assert not MODULES["backward_prefetch"].can_run(dy, wd, preact, preact, preact[:, :37])
     with pytest.raises(ValueError, match="kernel='backward_prefetch' needs"):
         gated_backward(dy, wd, preact, kernel="backward_prefetch")
+
+
+@pytest.mark.parametrize("m,k,i", [(7, 40, 128), (37, 72, 80)])
+def test_tma_kernel_epilogue_in_four_slices(m, k, i):
+    dy, wd, preact = _case(m, k, i, torch.float16)
+    config = C(16, 64, 16, group_m=2, epilogue_subtiles=4)
+    for in_place in (False, True):
+        p_in = preact.clone()
+        dpreact = p_in if in_place else torch.full_like(preact, float("nan"))
+        h = torch.full((m, i), float("nan"), dtype=dy.dtype, device=DEVICE)
+        gated_backward(dy, wd, p_in, "gelu_tanh", dpreact_out=dpreact, h_out=h, config=config, kernel="backward_tma")
+        _check(dpreact, h, dy, wd, preact, "gelu_tanh")
+
+
+def test_tma_kernel_refuses_epilogue_slices_it_cannot_cut():
+    epilogue = dict(GatedEpilogue.of("silu").constexprs(), APPROX_TANH=False)
+    with pytest.raises(ValueError, match="epilogue_subtiles must be 2 or 4"):
+        MODULES["backward_tma"].make_launcher(C(128, 128, 64, epilogue_subtiles=3), epilogue, torch.float16)
+    with pytest.raises(ValueError, match="multiple of 64 with 4 epilogue slices"):
+        MODULES["backward_tma"].make_launcher(C(128, 32, 64, epilogue_subtiles=4), epilogue, torch.float16)
