@@ -9,6 +9,8 @@ less host time patched).
 
 from __future__ import annotations
 
+from .report_cells import env_lines, fmt, prefill_table, speedup_cell
+
 SCHEMA = 2
 
 # Issue 18's targets: patched / eager speedup of HF generate by cache kind, host time per MLP call.
@@ -21,23 +23,13 @@ def leading(a: list, b: list) -> int:
     return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _f(v, fmt: str) -> str:
-    return "–" if v is None else format(v, fmt)
-
-
-def _speedup(s: dict) -> str:
-    return f"**{s['median']:.3f}x** ({s['min']:.3f}-{s['max']:.3f})"
-
-
 def _verdict(value: float, target: float, higher_is_better: bool) -> str:
     ok = value >= target if higher_is_better else value <= target
     return ("met" if ok else "missed") + f" ({'>=' if higher_is_better else '<='} {target:.2f})"
 
 
 def _header(data: dict) -> list[str]:
-    m, env, s = data["model"], data["env"], data["settings"]
-    git, v, gpu = env["git"], env["versions"], env["gpu"]
-    dirty = " (working tree had uncommitted changes)" if git.get("dirty") else ""
+    m, s = data["model"], data["settings"]
     what = f"{m['label']} shape" + (", dry run on CPU: numbers mean nothing" if s["dry_run"] else "")
     return [
         f"# End to end: {what}, eager vs patched (apply_fused_mlp)",
@@ -45,22 +37,9 @@ def _header(data: dict) -> list[str]:
         f"- model: random-init {m['model_type']}, hidden {m['hidden']}, intermediate {m['intermediate']}, "
         f"{m['heads']} heads / {m['kv_heads']} KV heads, vocab {m['vocab']}, **{m['layers']} of {m['full_layers']} "
         f"layers**, {m['params'] / 1e9:.2f} B params, {m['dtype']}, {m['attn']}, torch.inference_mode()",
-        f"- GPU: {gpu.get('name')}, driver {gpu.get('driver', '–')}; torch {v.get('torch')}, triton {v.get('triton')}, "
-        f"transformers {v.get('transformers')}, python {v.get('python')}",
-        f"- commit {git['commit']} ({git['source']}){dirty}; measured {env['date_utc']}; host {env['host'].get('cpu')}",
+        *env_lines(data),
         f"- {s['stat']}; {s['rounds']} rounds",
     ]
-
-
-def _prefill(data: dict) -> list[str]:
-    lines = ["", "## Prefill (batch 1, use_cache=True, logits_to_keep=1)", "",
-             "| prompt tokens | eager tok/s | patched tok/s | patched / eager, median (min-max) | "
-             "eager peak extra MiB | patched peak extra MiB |", "|---|---|---|---|---|---|"]
-    for r in data["prefill"]:
-        e, p = r["eager"], r["patched"]
-        lines.append(f"| {r['prompt']} | {e['per_s']:.0f} | {p['per_s']:.0f} | {_speedup(r['speedup'])} | "
-                     f"{_f(e['peak_extra_mib'], '.0f')} | {_f(p['peak_extra_mib'], '.0f')} |")
-    return lines
 
 
 def _generate(data: dict) -> list[str]:
@@ -78,7 +57,7 @@ def _generate(data: dict) -> list[str]:
         host_cell = f"{h['eager']['median_us']:.1f} / {h['patched']['median_us']:.1f}" if h else "–"
         first = r["first_call_s"]
         lines.append(f"| {r['cache']} | {r['batch']} | {r['eager']['per_s']:.1f} | {r['patched']['per_s']:.1f} | "
-                     f"{_speedup(r['speedup'])} | "
+                     f"{speedup_cell(r['speedup'])} | "
                      f"{_verdict(r['speedup']['median'], GENERATE_TARGETS[r['cache']], True)} | {host_cell} | "
                      f"{first['eager']:.1f} / {first['patched']:.1f} |")
     lines += ["", "Per-round speedups:", ""]
@@ -96,7 +75,7 @@ def _graph(data: dict) -> list[str]:
     for r in data["graph"]:
         e, p = r["eager"], r["patched"]
         lines.append(f"| {r['batch']} | {e['median_s'] * 1e3:.3f} | {p['median_s'] * 1e3:.3f} | {e['per_s']:.1f} | "
-                     f"{p['per_s']:.1f} | {_speedup(r['speedup'])} |")
+                     f"{p['per_s']:.1f} | {speedup_cell(r['speedup'])} |")
     return lines
 
 
@@ -128,9 +107,9 @@ def _profile(data: dict) -> list[str]:
             gpu, mlp_gpu, mlp_host = p["gpu_ms"], p["mlp_gpu_ms"], p["mlp_host_ms"]
             gpu_share = mlp_gpu / gpu if gpu and mlp_gpu is not None else None
             wall_share = mlp_host / p["wall_ms"] if mlp_host is not None else None
-            lines.append(f"| {r['cache']} | {r['batch']} | {mode} | {p['wall_ms']:.2f} | {_f(gpu, '.2f')} | "
-                         f"{_f(mlp_gpu, '.2f')} ({_f(gpu_share, '.0%')}) | {_f(mlp_host, '.2f')} "
-                         f"({_f(wall_share, '.0%')}) | {_f(p['gpu_busy'], '.2f')} |")
+            lines.append(f"| {r['cache']} | {r['batch']} | {mode} | {p['wall_ms']:.2f} | {fmt(gpu, '.2f')} | "
+                         f"{fmt(mlp_gpu, '.2f')} ({fmt(gpu_share, '.0%')}) | {fmt(mlp_host, '.2f')} "
+                         f"({fmt(wall_share, '.0%')}) | {fmt(p['gpu_busy'], '.2f')} |")
     return lines + _families(data)
 
 
@@ -163,7 +142,7 @@ def _families(data: dict) -> list[str]:
         saved = r["eager"]["gpu_ms"] - r["patched"]["gpu_ms"]
         key = (r["cache"], r["batch"])
         bound = f"{step_bound(step[key], saved):.3f}x" if key in step else "–"
-        bounds.append(f"| {r['cache']} | {r['batch']} | {saved * 1e3:.0f} | {_f(step.get(key), '.3f')} | {bound} |")
+        bounds.append(f"| {r['cache']} | {r['batch']} | {saved * 1e3:.0f} | {fmt(step.get(key), '.3f')} | {bound} |")
     return lines + ["", "| cache | batch | GPU saved µs per step | eager step ms (`generate`) | bound |",
                     "|---|---|---|---|---|"] + bounds
 
@@ -184,7 +163,7 @@ def _agreement(data: dict) -> list[str]:
 def render_markdown(data: dict) -> str:
     """The whole report as markdown."""
     lines = _header(data)
-    for key, part in (("prefill", _prefill), ("generate", _generate), ("graph", _graph), ("host", _host),
+    for key, part in (("prefill", lambda d: prefill_table(d["prefill"], "eager")), ("generate", _generate), ("graph", _graph), ("host", _host),
                       ("profile", _profile)):
         if data.get(key):
             lines += part(data)

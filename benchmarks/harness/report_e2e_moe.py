@@ -7,7 +7,8 @@ patched / default tokens/s per round (above 1: faster patched).
 
 from __future__ import annotations
 
-from .report_e2e import _f, _speedup, step_bound
+from .report_cells import env_lines, fmt, prefill_table, speedup_cell
+from .report_e2e import step_bound
 
 SCHEMA = 1
 
@@ -55,9 +56,7 @@ def targets(data: dict) -> list[dict]:
 
 
 def _header(data: dict) -> list[str]:
-    m, env, s = data["model"], data["env"], data["settings"]
-    git, v, gpu = env["git"], env["versions"], env["gpu"]
-    dirty = " (working tree had uncommitted changes)" if git.get("dirty") else ""
+    m, s = data["model"], data["settings"]
     what = f"{m['label']} shape" + (", dry run on CPU: numbers mean nothing" if s["dry_run"] else "")
     return [
         f"# End to end, MoE: {what}, transformers' default experts vs patched (apply_fused_mlp)",
@@ -68,9 +67,7 @@ def _header(data: dict) -> list[str]:
         f"{m['attn']}, torch.inference_mode(); built in {m['build_s']} s",
         f"- default: transformers' `{m['default_experts']}` (`generate` runs its decode steps on batched_mm); "
         f"patched: the fused experts kernels (\"swiglu_patch\"), backend {s['backend']}; one copy of the weights",
-        f"- GPU: {gpu.get('name')}, driver {gpu.get('driver', '–')}; torch {v.get('torch')}, triton {v.get('triton')}, "
-        f"transformers {v.get('transformers')}, python {v.get('python')}",
-        f"- commit {git['commit']} ({git['source']}){dirty}; measured {env['date_utc']}; host {env['host'].get('cpu')}",
+        *env_lines(data),
         f"- {s['stat']}; {s['rounds']} rounds; `generate`: prompt {s['prompt']}, {s['new_tokens']} new tokens forced",
     ]
 
@@ -82,19 +79,8 @@ def _targets(data: dict) -> list[str]:
     lines = ["", "## Against the targets", "",
              "| what | patched / default, median | lowest round | target | verdict |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['what']} | **{r['ratio']:.3f}x** | {_f(r['min'], '.3f')} | "
-                     f"{_f(r['target'], '.1f')} | {r['verdict']} |")
-    return lines
-
-
-def _prefill(data: dict) -> list[str]:
-    lines = ["", "## Prefill (batch 1, use_cache=True, logits_to_keep=1)", "",
-             "| prompt tokens | default tok/s | patched tok/s | patched / default, median (min-max) | "
-             "default peak extra MiB | patched peak extra MiB |", "|---|---|---|---|---|---|"]
-    for r in data["prefill"]:
-        e, p = r["eager"], r["patched"]
-        lines.append(f"| {r['prompt']} | {e['per_s']:.0f} | {p['per_s']:.0f} | {_speedup(r['speedup'])} | "
-                     f"{_f(e['peak_extra_mib'], '.0f')} | {_f(p['peak_extra_mib'], '.0f')} |")
+        lines.append(f"| {r['what']} | **{r['ratio']:.3f}x** | {fmt(r['min'], '.3f')} | "
+                     f"{fmt(r['target'], '.1f')} | {r['verdict']} |")
     return lines
 
 
@@ -115,7 +101,7 @@ def _generate(data: dict) -> list[str]:
              "vs patched |", "|---|---|---|---|---|---|"]
     for g in data["generate"]:
         lines.append(f"| {g['cache']} | {g['batch']} | {g['eager']['per_s']:.1f} | {g['patched']['per_s']:.1f} | "
-                     f"{_speedup(g['speedup'])} | {_first_difference(g)} |")
+                     f"{speedup_cell(g['speedup'])} | {_first_difference(g)} |")
     return lines
 
 
@@ -127,7 +113,7 @@ def _capture(data: dict) -> list[str]:
              "| batch | mode | first call s | graph replays in the next call | graph breaks | cudagraph skips |",
              "|---|---|---|---|---|---|"]
     for r in data["capture"]:
-        for mode in ("patched", "eager"):
+        for mode in ("eager", "patched"):
             if mode not in r:  # cut by a time limit while compiling
                 lines.append(f"| {r['batch']} | {'default' if mode == 'eager' else mode} | not reached | | | |")
                 continue
@@ -155,9 +141,9 @@ def _profile(data: dict) -> list[str]:
             fam = p.get("family_gpu_ms") or {}
             gap = p["wall_ms"] - p["gpu_ms"] if p["gpu_ms"] is not None else None
             lines.append(f"| {r['cache']} | {r['batch']} | {'default' if mode == 'eager' else mode} | "
-                         f"{p['wall_ms']:.2f} | {_f(p['gpu_ms'], '.2f')} | {_f(p['mlp_gpu_ms'], '.3f')} | "
-                         f"{_f(p['mlp_host_ms'], '.2f')} | " + "".join(f"{_f(fam.get(f), '.3f')} | " for f in families)
-                         + f"{_f(gap, '.2f')} | {_f(p['gpu_busy'], '.2f')} |")
+                         f"{p['wall_ms']:.2f} | {fmt(p['gpu_ms'], '.2f')} | {fmt(p['mlp_gpu_ms'], '.3f')} | "
+                         f"{fmt(p['mlp_host_ms'], '.2f')} | " + "".join(f"{fmt(fam.get(f), '.3f')} | " for f in families)
+                         + f"{fmt(gap, '.2f')} | {fmt(p['gpu_busy'], '.2f')} |")
     return lines + _bounds(data)
 
 
@@ -200,9 +186,9 @@ def _prefill_profile(data: dict) -> list[str]:
             p = r[mode]
             share = p["mlp_gpu_ms"] / p["gpu_ms"] if p["gpu_ms"] and p["mlp_gpu_ms"] is not None else None
             lines.append(f"| {r['prompt']} | {'default' if mode == 'eager' else mode} | {p['wall_ms']:.2f} | "
-                         f"{_f(p['gpu_ms'], '.2f')} | {_f(p['mlp_gpu_ms'], '.2f')} ({_f(share, '.0%')}) | "
-                         f"{_f(p['mlp_host_ms'], '.2f')} | {_f(p['gpu_busy'], '.2f')} | "
-                         + (f"{_f(free, '.3f')}x |" if mode == "eager" else "|"))
+                         f"{fmt(p['gpu_ms'], '.2f')} | {fmt(p['mlp_gpu_ms'], '.2f')} ({fmt(share, '.0%')}) | "
+                         f"{fmt(p['mlp_host_ms'], '.2f')} | {fmt(p['gpu_busy'], '.2f')} | "
+                         + (f"{fmt(free, '.3f')}x |" if mode == "eager" else "|"))
     return lines
 
 
@@ -213,13 +199,13 @@ def _rates(row: dict, mode: str, work: float) -> str:
 def _ms_cell(count: int, ms: dict) -> str:
     if not count:
         return "–"
-    return f"{count}: {_f(ms['median'], '.2f')} ({_f(ms['p90'], '.2f')}, {_f(ms['max'], '.1f')})"
+    return f"{count}: {fmt(ms['median'], '.2f')} ({fmt(ms['p90'], '.2f')}, {fmt(ms['max'], '.1f')})"
 
 
 def _watch_cells(w: dict) -> str:
     gc_counts = "/".join(str(n) for n in w["gc_collections"])
     return (f"{_ms_cell(w['prompts'], w['prompt_ms'])} | {_ms_cell(w['steps'], w['step_ms'])} | "
-            f"{_f(w['gap_ms']['median'], '.2f')} | {gc_counts} ({w['gc_ms']:.1f} ms) | {w['alloc_retries']} | "
+            f"{fmt(w['gap_ms']['median'], '.2f')} | {gc_counts} ({w['gc_ms']:.1f} ms) | {w['alloc_retries']} | "
             f"{w['peak_reserved_gib']:.2f} / {w['peak_allocated_gib']:.2f} |")
 
 
@@ -242,7 +228,7 @@ def _watch(data: dict) -> list[str]:
              "reserved / allocated GiB | free GiB, start / end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for what, size, work, r in rows:
         w = r["watch"]
-        free = "/".join(_f(x, ".1f") for x in w["free_gib"])
+        free = "/".join(fmt(x, ".1f") for x in w["free_gib"])
         for mode in ("eager", "patched"):
             name = "default" if mode == "eager" else mode
             figures = _watch_cells(w[mode]) if mode in w else (_watch_cells(w["all"]) if mode == "eager"
@@ -276,7 +262,7 @@ def _agreement(data: dict) -> list[str]:
 def render_markdown(data: dict) -> str:
     """The whole report as markdown (parts a run did not reach are left out)."""
     lines = _header(data) + _targets(data)
-    for key, part in (("prefill", _prefill), ("prefill_profile", _prefill_profile), ("generate", _generate),
+    for key, part in (("prefill", lambda d: prefill_table(d["prefill"], "default")), ("prefill_profile", _prefill_profile), ("generate", _generate),
                       ("capture", _capture), ("profile", _profile), ("generate", _watch)):
         if data.get(key):
             lines += part(data)
