@@ -342,10 +342,16 @@ def targets(row: Row, ways: dict) -> dict:
     elementwise = next((r for n, r in ways.items() if n.startswith(("liger_swiglu", "liger_geglu")) and "peak_mib" in r),
                        None)
 
+    elementwise_ms = next((r for n, r in ways.items() if n.startswith(("liger_swiglu", "liger_geglu")) and "ms" in r),
+                          None)
+
     def cmp(a, b, f):
         return None if a is None or b is None else bool(f(a, b))
 
     return {
+        "store: time <= 0.92 x HF eager": cmp(store.get("ms"), eager.get("ms"), lambda a, b: a <= 0.92 * b),
+        "store: time <= 0.97 x Liger elementwise": cmp(store.get("ms"), (elementwise_ms or {}).get("ms"),
+                                                       lambda a, b: a <= 0.97 * b),
         "store: time <= 0.95 x HF eager": cmp(store.get("ms"), eager.get("ms"), lambda a, b: a <= 0.95 * b),
         "store: faster than every other way": cmp(store.get("ms"), min(others) if others else None, lambda a, b: a < b),
         "store: saved <= 2*M*I*2 bytes": cmp(store.get("saved_mib"), 2 * row.m * row.i * 2 / MIB, lambda a, b: a <= b),
