@@ -37,10 +37,7 @@ Rank 0 writes OUT/results.json (GPU, versions, commit) and OUT/results.md after 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import os
-import statistics
 import sys
 import time
 import traceback
@@ -52,8 +49,9 @@ from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .bench_e2e_moe import MOE_MODELS, TINY, build_model
-from .bench_tp import Timer
-from .harness.cli import Parser, guarded, render_or_run, write_json
+from .harness.cli import Parser, guarded, write_json
+from .harness.ranks import (Timer, finish, gather, init_ranks, item_call, item_inputs, paired_row, require_torchrun,
+                            rows_table)
 
 PROG = "python -m benchmarks.bench_moe_parallel"
 SCHEMA = 1
@@ -85,8 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.out is None:
         p.error("--out is required (or --render RESULTS_JSON)")
-    if "WORLD_SIZE" not in os.environ:
-        p.error(f"run under torchrun: torchrun --standalone --nproc-per-node N -m {PROG.split()[-1]} ...")
+    require_torchrun(p, PROG)
     small = args.dry_run
     args.layers = args.layers or (2 if small else MOE_MODELS[MODEL].full_layers)
     args.check_layers = (1 if small else 8) if args.check_layers is None else args.check_layers
@@ -244,14 +241,6 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
     layout = _layout(model)
     timer, new = Timer(cuda), args.new_tokens
 
-    def call(item):
-        kind, _ = item
-        ids = inputs[item]
-        if kind == "prefill":
-            return lambda: model(ids, use_cache=True, logits_to_keep=1)
-        return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False)
-
     times = {it: {m: [] for m in MODES} for it in items}
     peaks, tokens, fused, current = {it: {} for it in items if it[0] == "prefill"}, {}, None, "eager"
     with torch.inference_mode():
@@ -272,7 +261,7 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
                         torch.cuda.synchronize()
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()
-                    seconds, out = timer(call(item))
+                    seconds, out = timer(item_call(model, item, inputs[item], new))
                     if r == -1:
                         if item[0] == "prefill" and cuda:
                             peaks[item][mode] = (torch.cuda.max_memory_allocated() - base) / 2**20
@@ -287,17 +276,9 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
         unpatch(model)
     rows = []
     for item in items:
-        kind, size = item
-        e, p = times[item]["eager"], times[item]["patched"]
-        work = size if kind == "prefill" else size * new
-        ratios = [a / b for a, b in zip(e, p)]
-        row = {"kind": kind, "size": size, "eager_s": e, "patched_s": p,
-               "eager_per_s": work / statistics.median(e), "patched_per_s": work / statistics.median(p),
-               "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                           "rounds": ratios}}
-        if kind == "prefill":
-            got = [None] * world
-            dist.all_gather_object(got, peaks[item])
+        row = paired_row(item, times[item]["eager"], times[item]["patched"], new)
+        if item[0] == "prefill":
+            got = gather(peaks[item])
             row["peak_extra_mib_per_rank"] = got if cuda else None
         else:
             a, b = tokens[item, "eager"], tokens[item, "patched"]
@@ -310,15 +291,8 @@ def time_plan(args, plan: str, inputs: dict, items: list, backend: str, world: i
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch.distributed as dist
-
     cuda = not args.dry_run
-    rank = int(os.environ["RANK"])
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if not dist.is_initialized():  # rank 0 may save a 61 GB checkpoint while the others wait
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    world = dist.get_world_size()
+    rank, world = init_ranks(cuda)  # rank 0 may save a 61 GB checkpoint while the others wait
     spec = (TINY if args.dry_run else MOE_MODELS)[MODEL]
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = "auto" if cuda else "torch"
@@ -329,8 +303,7 @@ def run(args: argparse.Namespace) -> dict:
     vocab = spec.config["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)  # the same on every rank: the same inputs
     items = [("prefill", p) for p in args.prefill] + [("dynamic", b) for b in args.batches]
-    inputs = {it: torch.randint(2, vocab, (1, it[1]) if it[0] == "prefill" else (it[1], args.prompt),
-                                generator=gen).to(device) for it in items}
+    inputs = item_inputs(items, vocab, args.prompt, gen, device)
     probe = torch.randint(2, vocab, (1, 512 if cuda else 32), generator=gen).to(device)
     single = _single_gpu(args, probe, backend, dtype, device, rank) if args.check_layers else {}
     data = {
@@ -400,16 +373,7 @@ def render_markdown(data: dict) -> str:
                   f"`{lay['experts_default']}`; a rank's experts gate_up {lay['experts_gate_up']['local_shape']} "
                   f"({', '.join(lay['experts_gate_up']['placements']) or 'whole'}), attention q_proj "
                   f"{lay['attention_q']['local_shape']} ({', '.join(lay['attention_q']['placements']) or 'whole'})"]
-        lines += ["", "| part | size | default /s | patched /s | speedup, median (min-max) | peak MiB above the model "
-                  "per rank, default / patched | leading greedy tokens equal |", "|---|---|---|---|---|---|---|"]
-        for r in e["rows"]:
-            sp, peaks = r["speedup"], r.get("peak_extra_mib_per_rank")
-            peak_cell = ", ".join(f"{p.get('eager', 0):.0f} / {p.get('patched', 0):.0f}" for p in peaks) if peaks \
-                else "–"
-            lead = f"{r['leading_tokens_equal']} of {s['new_tokens']}" if "leading_tokens_equal" in r else "–"
-            unit = "tokens" if r["kind"] == "prefill" else "batch"
-            lines.append(f"| {r['kind']} | {unit} {r['size']} | {r['eager_per_s']:.1f} | {r['patched_per_s']:.1f} | "
-                         f"**{sp['median']:.3f}x** ({sp['min']:.3f}-{sp['max']:.3f}) | {peak_cell} | {lead} |")
+        lines += [""] + rows_table(e["rows"], s["new_tokens"], "default")
     lines += ["", "Rates: prefill tokens/s; generate (dynamic cache) tokens/s, batch x new tokens / wall time. "
               "Leading greedy tokens: the fewest over the batch's sequences."]
     if data.get("notes"):  # written into the JSON after the run, each saying so
@@ -423,13 +387,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    import torch.distributed as dist
-
-    code = render_or_run(parse_args(argv), "bench_moe_parallel", SCHEMA, run, render_markdown)
-    if dist.is_available() and dist.is_initialized():  # every rank got here: rank 0 has written
-        dist.barrier()
-        dist.destroy_process_group()
-    return code
+    return finish(parse_args(argv), "bench_moe_parallel", SCHEMA, run, render_markdown)
 
 
 if __name__ == "__main__":

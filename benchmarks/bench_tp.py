@@ -26,8 +26,6 @@ Rank 0 writes OUT/results.json (GPU, versions, commit) and OUT/results.md.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
 import time
 import traceback
@@ -38,8 +36,10 @@ import torch
 from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
-from .harness.cli import Parser, guarded, render_or_run
+from .harness.cli import Parser, guarded
 from .harness.models import MODELS, TINY, build_model
+from .harness.ranks import (Timer, finish, gather, init_ranks, item_call, item_inputs, paired_row, require_torchrun,
+                            rows_table)
 
 PROG = "python -m benchmarks.bench_tp"
 SCHEMA = 1
@@ -67,8 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.out is None:
         p.error("--out is required (or --render RESULTS_JSON)")
-    if "WORLD_SIZE" not in os.environ:
-        p.error("run under torchrun: torchrun --standalone --nproc-per-node N -m benchmarks.bench_tp ...")
+    require_torchrun(p, PROG)
     small = args.dry_run
     args.layers = args.layers or (2 if small else 32)
     args.prefill = args.prefill or ([16, 32] if small else [4096, 8192])
@@ -105,46 +104,11 @@ def _checkpoint(args, dims, dtype, rank: int) -> None:
     dist.barrier()
 
 
-class Timer:
-    """Wall time of a call with every rank synchronized before and after it."""
-
-    def __init__(self, cuda: bool):
-        import torch.distributed as dist
-
-        self.cuda, self.barrier = cuda, dist.barrier
-
-    def __call__(self, fn) -> tuple[float, object]:
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.barrier()
-        t0 = time.perf_counter()
-        out = fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.barrier()
-        return time.perf_counter() - t0, out
-
-
-def _gather(value) -> list:
-    import torch.distributed as dist
-
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, value)
-    return got
-
-
 def run(args: argparse.Namespace) -> dict:
-    import torch.distributed as dist
-
     from swiglu_patch import apply_fused_mlp, unpatch
 
     cuda = not args.dry_run
-    rank = int(os.environ["RANK"])
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    world = dist.get_world_size()
+    rank, world = init_ranks(cuda)
     dims = (TINY if args.dry_run else MODELS)["llama-3-8b"]
     dtype = torch.bfloat16 if cuda else torch.float32
     backend = "auto" if cuda else "torch"
@@ -156,19 +120,9 @@ def run(args: argparse.Namespace) -> dict:
     timer = Timer(cuda)
     gen = torch.Generator().manual_seed(args.seed)  # the same on every rank: the same inputs
     items = [("prefill", p) for p in args.prefill] + [(c, b) for c in args.cache for b in args.batches]
-    inputs = {it: torch.randint(2, dims.vocab, (1, it[1]) if it[0] == "prefill" else (it[1], args.prompt),
-                                generator=gen).to(device) for it in items}
+    inputs = item_inputs(items, dims.vocab, args.prompt, gen, device)
     probe = torch.randint(2, dims.vocab, (1, 512 if cuda else 32), generator=gen).to(device)
     new = args.new_tokens
-
-    def call(item):
-        kind, _ = item
-        ids = inputs[item]
-        if kind == "prefill":
-            return lambda: model(ids, use_cache=True, logits_to_keep=1)
-        extra = {"cache_implementation": "static"} if kind == "static" else {}
-        return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                      min_new_tokens=new, do_sample=False, **extra)
 
     def set_mode(mode: str) -> None:
         if mode == "patched":
@@ -195,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
                         base = torch.cuda.memory_allocated()
                         torch.cuda.reset_peak_memory_stats()
                     try:
-                        seconds, out = timer(call(item))
+                        seconds, out = timer(item_call(model, item, inputs[item], new))
                     except Exception as e:  # noqa: BLE001  (a cache kind TP cannot run: recorded, not timed)
                         failed[item[0]] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
                         if rank == 0:
@@ -220,15 +174,9 @@ def run(args: argparse.Namespace) -> dict:
         if kind in failed:
             rows.append({"kind": kind, "size": size, "failed": failed[kind]})
             continue
-        e, p = times[item]["eager"], times[item]["patched"]
-        work = size if kind == "prefill" else size * new
-        ratios = [a / b for a, b in zip(e, p)]
-        row = {"kind": kind, "size": size, "eager_s": e, "patched_s": p,
-               "eager_per_s": work / statistics.median(e), "patched_per_s": work / statistics.median(p),
-               "speedup": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                           "rounds": ratios}}
+        row = paired_row(item, times[item]["eager"], times[item]["patched"], new)
         if kind == "prefill":
-            row["peak_extra_mib_per_rank"] = _gather(peaks[item]) if cuda else None
+            row["peak_extra_mib_per_rank"] = gather(peaks[item]) if cuda else None
         else:
             a, b = tokens[item, "eager"], tokens[item, "patched"]
             row["leading_tokens_equal"] = next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -262,20 +210,7 @@ def render_markdown(data: dict) -> str:
              f"- {m['dtype']}, transformers `tp_plan=\"auto\"`; GPU: {gpu.get('name', 'none (dry run on CPU)')} x "
              f"{s['ranks']}; torch {v.get('torch')}, triton {v.get('triton')}, transformers {v.get('transformers')}",
              f"- commit {env['git']['commit']}; measured {env.get('date_utc')}; model load {m['load_s']} s",
-             f"- {s['stat']}; {s['rounds']} rounds",
-             "", "| part | size | eager /s | patched /s | speedup, median (min-max) | peak MiB above the model per rank, "
-             "eager / patched | leading greedy tokens equal |", "|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
-        unit = "tokens" if r["kind"] == "prefill" else "batch"
-        if "failed" in r:
-            lines.append(f"| {r['kind']} | {unit} {r['size']} | – | – | not run: {r['failed']} | – | – |")
-            continue
-        sp = r["speedup"]
-        peaks = r.get("peak_extra_mib_per_rank")
-        peak_cell = ", ".join(f"{p.get('eager', 0):.0f} / {p.get('patched', 0):.0f}" for p in peaks) if peaks else "–"
-        lead = f"{r['leading_tokens_equal']} of {s['new_tokens']}" if "leading_tokens_equal" in r else "–"
-        lines.append(f"| {r['kind']} | {unit} {r['size']} | {r['eager_per_s']:.1f} | {r['patched_per_s']:.1f} | "
-                     f"**{sp['median']:.3f}x** ({sp['min']:.3f}-{sp['max']:.3f}) | {peak_cell} | {lead} |")
+             f"- {s['stat']}; {s['rounds']} rounds", ""] + rows_table(data["rows"], s["new_tokens"], "eager")
     lines += ["", "Rates: prefill tokens/s; generate tokens/s (batch x new tokens / wall time). Agreement: "
               f"logits on a {a['probe_tokens']}-token prompt, patched against eager, relative "
               f"{a['rel_logit_diff']:.2e}, top-1 agreement {a['top1_agree']:.4f}."]
@@ -288,13 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    import torch.distributed as dist
-
-    code = render_or_run(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
-    if dist.is_available() and dist.is_initialized():  # every rank got here: rank 0 has written
-        dist.barrier()
-        dist.destroy_process_group()
-    return code
+    return finish(parse_args(argv), "bench_tp", SCHEMA, run, render_markdown)
 
 if __name__ == "__main__":
     sys.exit(main())
