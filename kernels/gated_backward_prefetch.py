@@ -8,10 +8,17 @@ that its memory traffic does not stall the MMAs:
 - dY [M, K] and Wd [K, I] are read through TMA descriptors built on the device: per K step one
   [BLOCK_SIZE_M, BLOCK_SIZE_K] box of dY and one [BLOCK_SIZE_K, BLOCK_SIZE_N] box of Wd into
   one fp32 accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH.
-- the tile's gate and up columns of P ([BLOCK_SIZE_M, BLOCK_SIZE_N] each, 16-bit) are loaded
-  with plain loads issued *before* the tile's main loop: the loads are asynchronous, so they
-  land in registers while the MMAs run, and the epilogue finds them there (the TMA kernel reads
-  its P box after the main loop and waits for it).
+- the tile's gate and up columns of P are loaded, in four [BLOCK_SIZE_M, BLOCK_SIZE_N / 4]
+  slices each (16-bit), with plain loads issued *before* the tile's main loop: the loads are
+  asynchronous, so they land in registers while the MMAs run, and the epilogue finds them there
+  (the TMA kernel reads its P box after the main loop and waits for it). Rows and columns past
+  the edge are clamped to the tile's last ones (in bounds, never stored), so no mask is live
+  across the main loop.
+- the epilogue runs slice by slice. The derivatives are linear in dH: they are taken per unit
+  dH from P alone (in the loads' register layout), then multiplied by dH, which leaves 4 layout
+  conversions (through shared memory) per slice between the accumulator's layout and the
+  loads', against 5 for the derivative taken with dH inside. A non-finite dH gives NaN where a
+  clamp clips (0 * inf) instead of 0.
 - h and dP are written with plain stores, which need no shared-memory staging and no wait: the
   next tile's main loop starts while they drain. With no epilogue staging, the pipeline may
   take more stages than the TMA kernel's.
@@ -62,8 +69,12 @@ def _epilogue_part(dh, gate, up, dp_ptr, h_ptr, dh_ptr, stride_dpm, stride_hm, s
     if HAS_DH_IN:
         dh += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask,
                       other=0.0).to(tl.float32)
-    h, dgate, dup = gated_epilogue_grad(gate.to(tl.float32), up.to(tl.float32), dh, ACTIVATION, APPROX_TANH,
+    # the derivatives are linear in dH: take them per unit dH from P alone, then scale by dH
+    ones = tl.full(gate.shape, 1.0, tl.float32)
+    h, dgate, dup = gated_epilogue_grad(gate.to(tl.float32), up.to(tl.float32), ones, ACTIVATION, APPROX_TANH,
                                         GATE_SCALE, OUT_SCALE, CLAMP, LIMIT)
+    dgate = dgate * dh
+    dup = dup * dh
     dp_ptrs = dp_ptr + rows[:, None] * stride_dpm + (cols + (cols // GATE_UP_BLOCK) * GATE_UP_BLOCK)[None, :]
     tl.store(dp_ptrs, dgate.to(dp_ptr.dtype.element_ty), mask=mask)
     tl.store(dp_ptrs + GATE_UP_BLOCK, dup.to(dp_ptr.dtype.element_ty), mask=mask)
