@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .configs import ceil_div
 from .launcher import FastLaunch
 
 KERNEL_PAIRS = 4096
@@ -42,6 +43,12 @@ CHUNK_PAIRS = 1024
 _FILL = 1024  # padding slots one program writes per step
 _PAD = 16  # padding slots per expert written per step (an expert has fewer than BLOCK_M)
 _BLOCKS = 32  # block_expert entries one program writes per step
+
+
+def _pow2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), in plain Python: triton.next_power_of_2 is a
+    constexpr function, some microseconds per call on the host's hot path."""
+    return 1 << (n - 1).bit_length()
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -181,14 +188,14 @@ def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
         return expert_blocks_torch(top_k_index, num_experts, block_m)
     if num_pairs > KERNEL_PAIRS:
         return expert_blocks_chunked(top_k_index, num_experts, block_m)
-    block_s = triton.next_power_of_2(num_pairs)
-    block_e = triton.next_power_of_2(num_experts + 1)
+    block_s = _pow2(num_pairs)
+    block_e = _pow2(num_experts + 1)
     rows = capacity(num_pairs, num_experts, block_m)
     sorted_pairs = top_k_index.new_empty(rows, dtype=torch.int64)
     block_expert = top_k_index.new_empty(rows // block_m, dtype=torch.int64)
     scratch = top_k_index.new_empty(2 * block_e, dtype=torch.int32)
     launch = _launcher(("one", block_s, block_e, block_m), _expert_blocks_kernel, dict(
-        BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_M=block_m, MAX_BLOCKS=triton.cdiv(block_s, block_m), FILL=1024,
+        BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_M=block_m, MAX_BLOCKS=ceil_div(block_s, block_m), FILL=1024,
         num_warps=4))
     launch(1, top_k_index.get_device(), _flat(top_k_index), sorted_pairs, block_expert, scratch, num_pairs,
            num_experts, rows, rows // block_m)
@@ -203,8 +210,8 @@ def expert_blocks_chunked(top_k_index: torch.Tensor, num_experts: int, block_m: 
     if num_experts > KERNEL_EXPERTS or chunk & (chunk - 1):
         raise ValueError(f"expert_blocks_chunked: at most {KERNEL_EXPERTS} experts and a power-of-2 chunk, got "
                          f"{num_experts} experts and chunk {chunk}; use expert_blocks_torch")
-    block_e = triton.next_power_of_2(num_experts + 1)
-    chunks = max(1, triton.cdiv(num_pairs, chunk))
+    block_e = _pow2(num_experts + 1)
+    chunks = max(1, ceil_div(num_pairs, chunk))
     rows = capacity(num_pairs, num_experts, block_m)
     num_blocks = rows // block_m
     sorted_pairs = top_k_index.new_empty(rows, dtype=torch.int64)
