@@ -73,7 +73,9 @@ def experts_lora_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: t
                              h_lr: torch.Tensor | None, preact: torch.Tensor | None, gate_up_scale: float,
                              down_scale: float, activation: str, gate_scale: float, out_scale: float, clamp: int,
                              limit: float, alpha: float, transposed: bool, concatenated: bool,
-                             needs: list[bool]) -> list[torch.Tensor]:
+                             needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                         torch.Tensor, torch.Tensor]:
     """(dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dtop_k_weights, dgate_up_a, dgate_up_b,
     ddown_a, ddown_b) for dOut [T, K_out] (`experts_low_rank.experts_low_rank_backward`), a 0-element
     tensor for each one `needs` leaves out; a stored P is overwritten with dP, None recomputes it."""
@@ -82,7 +84,7 @@ def experts_lora_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: t
     grads = low_rank_kernels().experts_low_rank_backward(dout, x, top_k_index, top_k_weights, gate_up, down, low_rank,
                                                          x_lr, h_lr, epilogue, layout, gate_up_bias, down_bias, preact,
                                                          tuple(needs))
-    return [x.new_empty(0) if g is None else g for g in grads]
+    return tuple(x.new_empty(0) if g is None else g for g in grads)
 
 
 @experts_lora_backward_op.register_fake
@@ -90,8 +92,8 @@ def _(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bia
       down_b, x_lr, h_lr, preact, gate_up_scale, down_scale, activation, gate_scale, out_scale, clamp, limit, alpha,
       transposed, concatenated, needs):
     likes = (x, gate_up, down, gate_up_bias, down_bias, top_k_weights, gate_up_a, gate_up_b, down_a, down_b)
-    return [torch.empty_like(t, memory_format=torch.contiguous_format) if n and t is not None else x.new_empty(0)
-            for t, n in zip(likes, needs)]
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if n and t is not None else x.new_empty(0)
+                 for t, n in zip(likes, needs))
 
 
 _INPUTS = 11  # x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, and the four adapters

@@ -6,6 +6,7 @@
   fp16 error against float64 PEFT (which, in 16-bit, would build W + s*B@A twice per forward).
 - Several active adapters are refused by name: a warning, then PEFT's materialized path, same results.
 - `disable_adapter` and `unpatch` give PEFT's own behaviour.
+- A step with LoRA on attention and the experts, gradient-checkpointed or under torch.compile: plain PEFT's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 
 import pytest
 import torch
-from peft import PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from swiglu_patch import unpatch
@@ -105,3 +106,37 @@ def test_disable_adapter_and_unpatch_are_pefts_own():
         with pytest.raises(AssertionError, match="materialized"), never_materialized():
             ours(ids)  # unpatched: PEFT's own path again
         assert _rel(ours(ids).logits, ref(ids).logits) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["checkpointing", "compile"])
+def test_a_step_with_attention_and_experts_lora_checkpointed_or_compiled(mode):
+    """LoRA on q_proj and the experts; gradient checkpointing, or torch.compile of the step: plain PEFT's loss
+    and adapter gradients, the experts' delta never built."""
+    base = build("qwen3_moe").model.to(DEVICE).float()
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    config = lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=targets,  # noqa: E731
+                                init_lora_weights=False)
+    ref = get_peft_model(copy.deepcopy(base), config())
+    ours = patched_peft(base, config(), "patch_then_peft", "triton")
+    ours.load_state_dict(ref.state_dict())
+    if mode == "checkpointing":
+        for model in (ref, ours):
+            model.train()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.enable_input_require_grads()
+    ids = _ids()
+    losses, grads = [], []
+    for model in (ref, ours):
+        step = lambda i, m=model: m(i, labels=i).loss  # noqa: E731
+        if mode == "compile" and model is ours:
+            step = torch.compile(step)
+        with never_materialized() if model is ours else torch.enable_grad():
+            loss = step(ids)
+            loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if "lora_" in n})
+    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0])
+    assert any("q_proj" in n for n in grads[0]) and any("experts" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert _rel(grads[1][name], g) < 1e-4, name
