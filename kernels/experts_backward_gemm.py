@@ -28,6 +28,10 @@ kernel, `experts_gemm._experts_gated_gemm_kernel` with STORE_PREACT), on the blo
   dx_pair[t * TOP_K + j], skipping slots of expert-parallel sentinels (ids >= E), which get
   no row, no gradient and dw = 0.
 
+With LoRA on the experts (`make_launcher`'s low_rank), dH's G gains dout_lr[p] @ A_d[e] and dX's
+rows dP_lr[p] @ A[e] as r more K steps (`experts_low_rank_jit.low_rank_segment`), and the
+adapters' gradients are `_experts_wgrad_kernel` sums (`experts_low_rank.py` has the formulas).
+
 Rounding: each stored value once, to x's dtype (dP, hw, dx rows, dx, the weight gradients),
 dw to top_k_weights' dtype; all accumulation in fp32.
 """

@@ -19,6 +19,10 @@ of one expert walk its weight tiles together while they sit in L2:
 
 Padding rows (pair id S) and unused blocks (expert E) load nothing and store nothing.
 
+With HAS_LOW_RANK (LoRA on the experts, `experts_low_rank_jit`), the gated and the down GEMM run
+r more K steps after their main loop, x_lr[p] @ B[e]^T and h_lr[p] @ B_d[e]^T, before the bias
+and the epilogue; x_lr and h_lr [S, r] come from `project` over the same blocks.
+
 One kernel reads every layout: gate column i of expert e is at element e * stride_we +
 (i * GATE_STEP) * stride_wn + k * stride_wk of gate_up, its up column at GATE_STEP * i + UP_SHIFT
 (chunked: GATE_STEP 1, UP_SHIFT I; interleaved: 2, 1), and a transposed layout passes its
