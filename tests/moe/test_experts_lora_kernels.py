@@ -120,7 +120,8 @@ def test_every_gradient_in_both_modes_and_layouts(layout, dtype, store):
     _check(x, index, weights, w, lr, GPT_OSS if layout.transposed else SILU, layout, dtype, store)
 
 
-@pytest.mark.parametrize("case", ["one_token", "one_expert", "empty_expert", "gate_up_only", "down_only", "rank_64"])
+@pytest.mark.parametrize("case", ["one_token", "one_expert", "empty_expert", "gate_up_only", "down_only", "rank_64",
+                                  "non_contiguous"])
 def test_routing_and_adapter_edge_cases(case):
     dtype, layout, e, k, i = torch.float32, LAYOUTS[0], 4, 32, 16
     t, skew = {"one_token": (1, "uniform"), "one_expert": (21, "one_expert"),
@@ -128,6 +129,8 @@ def test_routing_and_adapter_edge_cases(case):
     which = {"gate_up_only": ("gate_up",), "down_only": ("down",)}.get(case, ("gate_up", "down"))
     w, lr = _operands(e, k, i, 61 if case == "rank_64" else 4, layout, False, dtype, which)
     x = torch.randn(t, k).to(DEVICE, dtype)
+    if case == "non_contiguous":
+        x = torch.randn(2 * t, 2 * k).to(DEVICE, dtype)[::2, ::2]
     index, weights = _routing(t, e, 2, skew)
     _check(x, index, weights, w, lr, SILU, layout, dtype, store=case != "one_token")
 
