@@ -15,10 +15,12 @@ A_e = A.view(E, r, in)[e] and B_e = B.view(out, r, E)[..., e], the delta s * B_e
 projection's (out, in) orientation whatever the layout (PEFT swaps in/out for [E, out, in]
 weights and transposes the delta for [E, in, out] ones), with s = PEFT's `scaling`.
 
+Several active adapters on one weight run as one of their ranks summed (`stacked_factors`).
 Anything else runs PEFT's own materialized path, with a warning that names why, once per
-experts module (`REFUSALS`): several active adapters on one weight, dropout, DoRA, a LoRA bias,
-adapters of another dtype than the experts' weight only where autocast is not the reason...
-Merging, saving and unloading are PEFT's, untouched: the adapters' parameters are PEFT's own.
+experts module and reason (`refusal`): an adapter on another parameter, dropout, DoRA, a LoRA
+bias (PEFT refuses these three on 3-D weights itself), a weight carrying another
+parametrization, ranks summing past `MAX_RANK`. Merging, saving and unloading are PEFT's,
+untouched: the adapters' parameters are PEFT's own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from torch import nn
 from .kernels.experts_reference import ExpertsLowRank
 
 ADAPTED = ("gate_up_proj", "down_proj")
-_BOUND = "_swiglu_lora"  # on an experts module during a wrapper's forward: {parameter name: (wrapper, adapter)}
+MAX_RANK = 128  # `kernels.experts_low_rank.MAX_RANK`, the segments' largest r
+_BOUND = "_swiglu_lora"  # on an experts module during a wrapper's forward: {parameter name: (wrapper, adapters)}
 _WARNED = "_swiglu_lora_warned"
 _MATERIALIZE = "_swiglu_lora_materialize"  # set by `materialize`: PEFT's own path, asked for
 _ORIGINAL = "_swiglu_original_activate_lora"  # on ParamWrapper: PEFT's own _activate_lora
@@ -73,25 +76,25 @@ def refusal(wrapper: nn.Module, experts: nn.Module, adapters: list[str]) -> str 
         return "materialize(model) asked for it"
     if name not in ADAPTED:
         return f"LoRA on {name} (only {ADAPTED} are fused)"
-    if len(adapters) != 1:
-        return f"{len(adapters)} active adapters on {name} (one is fused)"
-    adapter = adapters[0]
-    if not isinstance(wrapper.lora_dropout[adapter], nn.Identity):
-        return "lora_dropout > 0"
-    if wrapper.use_dora.get(adapter, False):
-        return "DoRA"
-    if wrapper.lora_bias.get(adapter, False):
-        return "lora_bias=True"
     if nn.utils.parametrize.is_parametrized(experts, name):
         return f"{name} is already parametrized (another parametrization beside PEFT's)"
     weight = experts._parameters.get(name)
-    a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or wrapper.num_experts != weight.shape[0]:
         return f"{name} is not a 3-D [E, ...] weight with E = the adapter's {wrapper.num_experts} experts"
-    if a.shape[0] % weight.shape[0] or not 0 < a.shape[0] // weight.shape[0] <= 128:
-        return f"rank {a.shape[0] // max(1, weight.shape[0])} (1..128 are fused)"
-    if b.shape[1] != a.shape[0]:
-        return "lora_A and lora_B of different ranks"
+    rank = 0
+    for adapter in adapters:
+        if not isinstance(wrapper.lora_dropout[adapter], nn.Identity):
+            return "lora_dropout > 0"
+        if wrapper.use_dora.get(adapter, False):
+            return "DoRA"
+        if wrapper.lora_bias.get(adapter, False):
+            return "lora_bias=True"
+        a, b = wrapper.lora_A[adapter].weight, wrapper.lora_B[adapter].weight
+        if a.shape[0] % weight.shape[0] or b.shape[1] != a.shape[0]:
+            return "lora_A and lora_B whose rows are not rank x experts"
+        rank += a.shape[0] // weight.shape[0]
+    if rank > MAX_RANK:
+        return f"rank {rank} (the active adapters' ranks summed; 1..{MAX_RANK} are fused)"
     return None
 
 
@@ -109,13 +112,13 @@ def _activate_lora(self, active_adapters):
             warnings.warn(f"swiglu-patch: the fused experts run PEFT's materialized W + s*B@A for {reason}",
                           stacklevel=3)
         return getattr(type(self), _ORIGINAL)(self, active_adapters)
-    return _bound(experts, self, adapters[0])
+    return _bound(experts, self, tuple(adapters))
 
 
 @contextlib.contextmanager
-def _bound(experts: nn.Module, wrapper: nn.Module, adapter: str):
+def _bound(experts: nn.Module, wrapper: nn.Module, adapters: tuple[str, ...]):
     bound = experts.__dict__.setdefault(_BOUND, {})
-    bound[wrapper.parameter_name] = (wrapper, adapter)
+    bound[wrapper.parameter_name] = (wrapper, adapters)
     try:
         yield
     finally:
@@ -132,6 +135,15 @@ def factors(wrapper: nn.Module, adapter: str, dtype: torch.dtype) -> tuple[torch
     return a3.to(dtype), b3.to(dtype), float(wrapper.scaling[adapter])
 
 
+def stacked_factors(wrapper: nn.Module, adapters: tuple[str, ...], dtype: torch.dtype) -> tuple:
+    """(A, B, s) of one adapter (`factors`), or of several summed: s_i * A_i stacked along r, the B_i beside
+    them, s = 1 (sum_i s_i B_i A_i = [B_1 ... B_n] @ [s_1 A_1; ...; s_n A_n]; small copies, never the delta)."""
+    if len(adapters) == 1:
+        return factors(wrapper, adapters[0], dtype)
+    parts = [factors(wrapper, adapter, dtype) for adapter in adapters]
+    return torch.cat([a * s for a, _, s in parts], 1), torch.cat([b for _, b, _ in parts], 2), 1.0
+
+
 def bound_low_rank(module: nn.Module, dtype: torch.dtype) -> ExpertsLowRank | None:
     """The adapters bound to `module` for this forward (`ExpertsLowRank`, in `dtype`), or None."""
     bound = module.__dict__.get(_BOUND)
@@ -140,7 +152,7 @@ def bound_low_rank(module: nn.Module, dtype: torch.dtype) -> ExpertsLowRank | No
     parts = []
     for name in ADAPTED:
         if name in bound:
-            parts.extend(factors(*bound[name], dtype))
+            parts.extend(stacked_factors(*bound[name], dtype))
         else:
             parts.extend((None, None, 1.0))
     return ExpertsLowRank(*parts)

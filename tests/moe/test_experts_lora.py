@@ -4,7 +4,8 @@
   transformers + PEFT to give the same logits.
 - fp16 on the Triton kernels (interpreter): every adapter gradient within twice plain PEFT's own
   fp16 error against float64 PEFT (which, in 16-bit, would build W + s*B@A twice per forward).
-- Several active adapters are refused by name: a warning, then PEFT's materialized path, same results.
+- Several active adapters run fused as their sum; a refused adapter (rank past 128) is named in a warning and
+  runs PEFT's own path, with PEFT's results.
 - `disable_adapter` and `unpatch` give PEFT's own behaviour.
 - A step with LoRA on attention and the experts, gradient-checkpointed or under torch.compile: plain PEFT's.
 """
@@ -20,7 +21,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from swiglu_patch import unpatch
-from moe.test_experts_peft import DEVICE, _config, _rel, never_materialized, patched_peft
+from moe.test_experts_peft import DEVICE, TARGETS, _config, _rel, never_materialized, patched_peft
 from zoo.tiny_zoo import build
 
 IDS = (2, 9)
@@ -73,24 +74,42 @@ def test_fp16_gradients_within_twice_plain_pefts_own_error():
         assert err <= 2 * own + 2e-3, f"{name}: {err:.3g} against plain PEFT's fp16 {own:.3g}"
 
 
-def test_several_active_adapters_are_refused_by_name_and_run_as_peft():
+def test_several_active_adapters_run_fused_as_their_sum():
     base = build("qwen3_moe").model.to(DEVICE).float()
     models = [get_peft_model(copy.deepcopy(base), _config("qwen3_moe")),
               patched_peft(base, _config("qwen3_moe"), "patch_then_peft", "triton")]
-    ids = _ids()
-    outs = []
     for model in models:
-        model.add_adapter("second", _config("qwen3_moe"))
+        model.add_adapter("second", LoraConfig(r=3, lora_alpha=5, target_modules=[],
+                                               target_parameters=TARGETS["qwen3_moe"], init_lora_weights=False))
         model.base_model.set_adapter(["default", "second"])
     models[1].load_state_dict(models[0].state_dict())
+    ids = _ids()
+    losses, grads = [], []
     for model in models:
-        with torch.no_grad():
-            if model is models[1]:
-                with pytest.warns(UserWarning, match="2 active adapters"):
-                    outs.append(model(ids).logits)
-            else:
-                outs.append(model(ids).logits)
-    assert _rel(outs[1], outs[0]) < 1e-5
+        with never_materialized() if model is models[1] else torch.enable_grad():
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        losses.append(loss.item())
+        grads.append({n: p.grad for n, p in model.named_parameters() if "lora_" in n and "experts" in n})
+    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0])
+    assert any("second" in n for n in grads[0])
+    for name, g in grads[0].items():
+        assert _rel(grads[1][name], g) < 1e-4, name
+
+
+def test_a_refused_adapter_is_named_and_runs_as_peft():
+    """Rank 130 (past the segments' 128): a warning naming it, then PEFT's own path, with PEFT's logits."""
+    base = build("qwen3_moe").model.to(DEVICE).float()
+    config = lambda: LoraConfig(r=130, lora_alpha=8, target_modules=[], target_parameters=TARGETS["qwen3_moe"],  # noqa: E731
+                                init_lora_weights=False)
+    ref = get_peft_model(copy.deepcopy(base), config())
+    ours = patched_peft(base, config(), "patch_then_peft", "triton")
+    ours.load_state_dict(ref.state_dict())
+    ids = _ids()
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="materialized W [+] s[*]B@A for rank 130"):
+            logits = ours(ids).logits
+        assert _rel(logits, ref(ids).logits) < 1e-5
 
 
 def test_disable_adapter_and_unpatch_are_pefts_own():
