@@ -27,7 +27,9 @@ Each way builds its model fresh, runs `--warmup` steps, then `--steps` timed ste
 around a synchronized step); the ways take turns over `--rounds` rounds, order reversed every
 other round. Reported: ms/step and tokens/s (median over rounds of each round's median), the
 peak GPU memory of the way's first round (weights, gradients, AdamW states, activations) and
-the memory allocated before the first step (the static part), the losses of round 0 against
+the memory allocated before the first step (the static part), the peak of one more untimed
+forward + backward above the weights and optimizer states (AdamW's temporaries set the whole
+step's peak in full training, the same for every way), the losses of round 0 against
 grouped_mm's (same weights and batches: within atol 1e-2 + rtol 5e-2, the convergence
 tolerance), and for --lora the targets: time <= 0.6x and peak <= 0.7x grouped_mm's.
 
@@ -176,7 +178,9 @@ def lora_path_counter(model: torch.nn.Module):
 
 
 def run_way(way: str, args, device, dtype, data: list[torch.Tensor], sync) -> dict:
-    """Build, warm up and time one way: {"step_s", "losses", "peak_mib", "static_mib", "lora_path"}."""
+    """Build, warm up and time one way: {"step_s", "losses", "peak_mib", "static_mib", "fwd_bwd_mib", "lora_path",
+    "trainable_params"}; fwd_bwd_mib: the peak of one more forward + backward above the weights and the optimizer's
+    states (activations and gradients), which the whole step's peak (AdamW's temporaries) can hide."""
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
@@ -200,14 +204,23 @@ def run_way(way: str, args, device, dtype, data: list[torch.Tensor], sync) -> di
         if n >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(loss.detach().float().item())
-    peak = torch.cuda.max_memory_allocated(device) / MIB if device.type == "cuda" else None
+    peak = fwd_bwd = None
+    if device.type == "cuda":  # one more forward + backward, untimed, from weights and optimizer states alone
+        peak = torch.cuda.max_memory_allocated(device) / MIB
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        ids = data[0].to(device)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        sync()
+        fwd_bwd = (torch.cuda.max_memory_allocated(device) - start) / MIB
+        opt.zero_grad(set_to_none=True)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     del model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_s": times, "losses": losses, "peak_mib": peak, "static_mib": static, "lora_path": path,
-            "trainable_params": trainable}
+    return {"step_s": times, "losses": losses, "peak_mib": peak, "static_mib": static, "fwd_bwd_mib": fwd_bwd,
+            "lora_path": path, "trainable_params": trainable}
 
 
 def compare(results: dict, lora: bool) -> None:
@@ -221,6 +234,8 @@ def compare(results: dict, lora: bool) -> None:
         e["time_over_grouped_mm"] = e["step_s"] / base_s
         if e["peak_mib"] is not None and base["peak_mib"]:
             e["peak_over_grouped_mm"] = e["peak_mib"] / base["peak_mib"]
+        if e.get("fwd_bwd_mib") is not None and base.get("fwd_bwd_mib"):
+            e["fwd_bwd_over_grouped_mm"] = e["fwd_bwd_mib"] / base["fwd_bwd_mib"]
         pairs = list(zip(e["losses"], base["losses"]))
         e["max_loss_diff"] = max(abs(a - b) for a, b in pairs)
         e["losses_within_tolerance"] = all(abs(a - b) <= LOSS_ATOL + LOSS_RTOL * abs(b) for a, b in pairs)
@@ -261,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
             got = run_way(way, args, device, dtype, data, sync)
             entry = results.setdefault(way, {"way": way, "rounds_step_s": [], "losses": got["losses"],
                                              "peak_mib": got["peak_mib"], "static_mib": got["static_mib"],
+                                             "fwd_bwd_mib": got["fwd_bwd_mib"],
                                              "trainable_params": got["trainable_params"],
                                              "lora_path": got["lora_path"]})
             entry["rounds_step_s"].append(statistics.median(got["step_s"]))
@@ -287,8 +303,11 @@ def render_markdown(data: dict) -> str:
              f"transformers {v.get('transformers')}, peft {v.get('peft')}",
              f"- commit {env['git']['commit']}; measured {env.get('date_utc')}",
              f"- {s['warmup']} untimed + {s['steps']} timed steps per way and round, {s['rounds']} rounds; {s['stat']}",
+             "- peak: the way's first round, whole steps; static: allocated before the first step; fwd+bwd: the peak of "
+             "one more forward + backward above the weights and optimizer states (activations and gradients)",
              "", "| way | ms / step | tokens/s | time / grouped_mm | peak MiB | static MiB | peak / grouped_mm | "
-             "losses vs grouped_mm (max abs diff) |", "|---|---:|---:|---:|---:|---:|---:|---|"]
+             "fwd+bwd MiB | fwd+bwd / grouped_mm | losses vs grouped_mm (max abs diff) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(x, spec):
         return "–" if x is None else format(x, spec)
@@ -298,7 +317,8 @@ def render_markdown(data: dict) -> str:
         step = e.get("step_s") or statistics.median(e["rounds_step_s"])
         lines.append(f"| {way} | {step * 1e3:.1f} | {s['tokens_per_step'] / step:.0f} | "
                      f"{f(e.get('time_over_grouped_mm'), '.3f')} | {f(e['peak_mib'], '.0f')} | "
-                     f"{f(e['static_mib'], '.0f')} | {f(e.get('peak_over_grouped_mm'), '.3f')} | {agree} |")
+                     f"{f(e['static_mib'], '.0f')} | {f(e.get('peak_over_grouped_mm'), '.3f')} | "
+                     f"{f(e.get('fwd_bwd_mib'), '.0f')} | {f(e.get('fwd_bwd_over_grouped_mm'), '.3f')} | {agree} |")
     if s.get("lora_rank"):
         lines += ["", "Which LoRA path ran (first step; PEFT's ParamWrapper calls, experts calls on a parametrized "
                   "weight):", ""]
