@@ -94,7 +94,7 @@ def flops(shape: MoEShape, tokens: int) -> float:
 
 
 SWEEP_NAMES = ("rule", "dh128_dxk128", "w4", "wg64x128_s4", "wg128x64_s4", "b64", "dx256", "dh128x128_s2", "s4",
-               "b64_w8")
+               "b64_w8", "wg128x256_s2", "dh128_wg128x256_s2")
 
 
 def sweep_configs() -> dict:
@@ -112,6 +112,8 @@ def sweep_configs() -> dict:
         "dh128x128_s2": C(128, 128, 128, 128, 64, 128, 128, num_warps=8, num_stages=2),
         "s4": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=4),
         "b64_w8": C(64, 128, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
+        "wg128x256_s2": C(128, 64, 64, 128, 64, 128, 256, num_warps=8, num_stages=2),
+        "dh128_wg128x256_s2": C(128, 128, 64, 128, 64, 128, 256, num_warps=8, num_stages=2),
     }
 
 

@@ -91,3 +91,11 @@ def test_spent_budget_starts_nothing_and_says_so(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["rows"] == [] and data["not_started"] == ["tiny T=5", "tiny T=37"]
     assert "Rows not started" in (tmp_path / "results.md").read_text()
+
+
+def test_sweep_names_are_the_configs_the_command_line_offers():
+    from benchmarks.bench_moe_train import SWEEP_NAMES, sweep_configs
+
+    configs = sweep_configs()
+    assert list(configs) == list(SWEEP_NAMES) and configs["rule"] is None
+    assert all(c.block_m % 16 == 0 for name, c in configs.items() if c is not None)  # the wgrad kernels' tl.dot
