@@ -275,8 +275,12 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
                                                                                 preact_out=preact), 4),
         "fwd: cuBLAS x @ W^T (gate/up GEMM only)": (lambda: F.linear(x, w), 4),
         "fwd: cuBLAS down h @ Wd^T": (lambda: F.linear(h, wd), 2),
-        "bwd: fused dY @ Wd + derivative -> dP, h": (lambda: training.gated_backward(
+        "bwd: dY @ Wd + derivative -> dP, h (the rules' kernel)": (lambda: training.gated_backward(
             dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h), 2),
+        "bwd: the same, fused TMA kernel (dH in registers)": (lambda: training.gated_backward(
+            dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h, kernel="backward_tma"), 2),
+        "bwd: the same, split kernel (cuBLAS dH, elementwise pass)": (lambda: training.gated_backward(
+            dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h, kernel="backward_split"), 2),
         "bwd: cuBLAS dY @ Wd alone": (lambda: dy @ wd, 2),
         "bwd: cuBLAS dWd = dY^T @ h": (lambda: dy.t() @ h, 2),
         "bwd: cuBLAS dW = dP^T @ x": (lambda: dpreact.t() @ x, 4),

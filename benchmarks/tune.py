@@ -7,7 +7,7 @@ the rules ship: where a rule of `swiglu_patch.kernels.rules` gets its kernel and
     python -m benchmarks.tune --out OUT --sweep grid --tokens 2 8 16 32 64 128 --with-liger  # grid TMA tiles
     python -m benchmarks.tune --out OUT --sweep tail --tokens 256 512 1024 2048        # TMA split tail
     python -m benchmarks.tune --out OUT --sweep backward --shapes llama-3-8b           # training's backward GEMM
-    python -m benchmarks.tune --out OUT --sweep backward_variants --shapes llama-3-8b  # its kernels: TMA, prefetch, split
+    python -m benchmarks.tune --out OUT --sweep backward_variants --shapes llama-3-8b  # its kernels: fused TMA, split
     python -m benchmarks.tune --out OUT --sweep preact --shapes llama-3-8b             # training's forward (P stored)
     python -m benchmarks.tune --dry-run --out /tmp/tune                                # CPU interpreter
 
@@ -129,21 +129,16 @@ BACKWARD_TILES = [
     ("backward_pointer", C(64, 64, 64, num_warps=8, num_stages=3)), ("backward_pointer", C(16, 32, 64, num_warps=4,
                                                                                           num_stages=3)),
 ]
-# The backward's kernels side by side (`--sweep backward_variants`): the TMA kernel, today's tile and
-# its epilogue in four slices (less staging: a fifth stage, or two programs per SM at <= 128
-# registers); the prefetch kernel (P read before the main loop, plain stores: no epilogue staging,
-# so deeper pipelines fit), one and two programs per SM; the split (cuBLAS dH, then the elementwise
-# pass) with two tiles.
+# The backward's kernels side by side (`--sweep backward_variants`): the fused TMA kernel, its tile
+# with the epilogue in 2 and 4 slices (4: less staging, so a fifth stage fits, or two programs per
+# SM at <= 128 registers); the split (cuBLAS dH, then the elementwise pass) with four tiles.
 _Q = dict(epilogue_subtiles=4)
 BACKWARD_VARIANTS = [
     ("backward_tma", C(128, 128, 64, **_T)), ("backward_tma", C(128, 128, 64, **_T, **_Q)),
     ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 5}, **_Q)),
     ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128, **_Q)),
-    ("backward_prefetch", C(128, 128, 64, **_T)), ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 5})),
-    ("backward_prefetch", C(128, 128, 64, **_T | {"num_stages": 6})),
-    ("backward_prefetch", C(128, 128, 128, **_T | {"num_stages": 3})),
-    ("backward_prefetch", C(128, 64, 64, **_T | {"num_warps": 4, "num_stages": 3, "programs_per_sm": 2})),
     ("backward_split", C(32, 128, 16, num_warps=4)), ("backward_split", C(64, 128, 16, num_warps=8)),
+    ("backward_split", C(16, 256, 16, num_warps=4)), ("backward_split", C(32, 64, 16, num_warps=4)),
 ]
 PREACT_TILES = [
     ("tma", C(128, 128, 64, **_T, split_tail=True)), ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, split_tail=True)),
@@ -216,7 +211,7 @@ def sweep_backward(m, k, i, shipped):
 
 
 def sweep_backward_variants(m, k, i, shipped):
-    """Training's backward GEMM (op `backward`): one tile of each kernel design, the prefetch kernel's pipeline depths."""
+    """Training's backward GEMM (op `backward`): the fused TMA kernel's epilogue slices and depths, the split's tiles."""
     return list(BACKWARD_VARIANTS)
 
 
@@ -236,9 +231,9 @@ SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default
               "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
               "paired": "persistent TMA tiles with 1-4 programs per SM",
               "backward": "training's backward GEMM tiles (default M 4096 8192)",
-              "backward_variants": "training's backward GEMM: TMA, prefetch and split kernels (default M 4096 8192)",
+              "backward_variants": "training's backward GEMM: fused TMA and split kernels (default M 4096 8192)",
               "preact": "training's forward tiles, P stored (default M 4096 8192)"}
-TMA_KERNELS = ("tma", "grid", "backward_tma", "backward_prefetch")
+TMA_KERNELS = ("tma", "grid", "backward_tma")
 
 
 def label(kernel: str, config: C) -> str:

@@ -156,20 +156,22 @@ RULES: tuple[Rule, ...] = (
 )
 
 # -- the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue (training) ---------
-# Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py`, `gated_backward_prefetch.py` (P
-# read before the main loop, plain stores), `gated_backward_split.py` (cuBLAS, then an elementwise
-# pass). The forward of training (storing the pre-activation P) and LoRA's low-rank forward take
-# `RULES`, skipping kernels without that feature (each kernel file's CAPABILITY says which it has).
+# Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py` (fused: dH stays in registers),
+# `gated_backward_split.py` (cuBLAS writes dH, then an elementwise pass). The forward of training
+# (storing the pre-activation P) and LoRA's low-rank forward take `RULES`, skipping kernels without
+# that feature (each kernel file's CAPABILITY says which it has).
 
-BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_prefetch", "backward_split")
+BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_split")
+
+BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/train/tune_backward_variants_fp16.json")
 
 BACKWARD_RULES: tuple[Rule, ...] = (
-    Rule("backward_tma", C(128, 128, 64, group_m=8, num_warps=8, num_stages=4), min_capability=HOPPER,
-         m=(129, None),
-         sweep=("h100/train/train.json",),
-         why="dH tile 128x128 reading a [128, 256] P tile in two [128, 128] boxes (214 KB shared, no spills): "
-             "the fastest of 12 backward tiles at Llama-3-8B M = 4096 (0.867 ms; warp-specialized 0.881, "
-             "group 16 0.906, 3 stages 1.078)"),
+    Rule("backward_split", C(32, 128, 16, num_warps=4), min_capability=HOPPER, m=(129, None),
+         sweep=BACKWARD_VARIANTS_H100,
+         why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "
+             "epilogue does not overlap its MMAs (its 128x128x64 s4 tile, DEFAULT_CONFIGS): Llama-3-8B 0.839 vs "
+             "0.867 ms at M = 4096, 1.676 vs 1.769 at 8192, Gemma-2-9B 0.764 vs 0.842 and 1.527 vs 1.659, fp16 "
+             "0.866 vs 0.918 (H100; cuBLAS alone 0.604 at M = 4096)"),
     Rule("backward_tma", C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER,
          m=(65, 128), why="64-row tiles where M is too small for 128-row tiles to fill the SMs; not yet timed"),
     Rule("backward_pointer", C(16, 32, 64, num_warps=4, num_stages=3), m=(None, 16),
@@ -213,7 +215,10 @@ DEFAULT_CONFIGS: dict[str, C] = {
     "gemv": C(1, 16, 256, num_warps=4, num_stages=1),
     "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
     "backward_pointer": BACKWARD_RULES[-1].config,
-    "backward_tma": BACKWARD_RULES[0].config,
+    # the fused TMA kernel's fastest of 12 tiles at Llama-3-8B M = 4096 (h100/train/train.json: 0.867 ms;
+    # warp-specialized 0.881, group 16 0.906, 3 stages 1.078): what kernel="backward_tma" runs at M >= 129
+    "backward_tma": C(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
+    "backward_split": BACKWARD_RULES[0].config,
 }
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family

@@ -1,7 +1,7 @@
-"""The backward GEMM's prefetch and split kernels against float64 (`gated_backward_prefetch.py`,
-`gated_backward_split.py`): dP and h within twice eager's same-dtype error, in place or not,
-edge tiles, every epilogue, dh_in. On CPU they run under TRITON_INTERPRET=1 in fp16 (the
-prefetch kernel reads dY and Wd by TMA: 16-bit only) and fp32 (the split kernel)."""
+"""The backward GEMM's split kernel (`gated_backward_split.py`) and the TMA kernel's epilogue in four
+slices against float64: dP and h within twice eager's same-dtype error, in place or not, edge
+tiles, every epilogue, dh_in. On CPU they run under TRITON_INTERPRET=1 in fp32 and fp16 (the TMA
+kernel in fp16 only)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from swiglu_patch.kernels.dispatch import MODULES, gated_backward
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.layout import split_interleaved
 
-SMALL = {"backward_prefetch": C(16, 32, 16, group_m=2), "backward_split": C(16, 32, 16, num_warps=4)}
-DTYPES = {"backward_prefetch": [torch.float16] + ([torch.bfloat16] if CUDA else []),
-          "backward_split": [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])}
+SMALL = {"backward_split": C(16, 32, 16, num_warps=4)}
+DTYPES = {"backward_split": [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])}
 EPILOGUES = [GatedEpilogue("silu"), GatedEpilogue("silu", gate_scale=0.8839, out_scale=0.5859),
              GatedEpilogue("silu", limit=1.0, clamp="gate"), GatedEpilogue("gelu_tanh", gate_scale=2.0, limit=2.5),
              GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation")]
@@ -58,9 +57,9 @@ def _run(kernel, dy, wd, preact, epilogue, in_place, dh_in=None):
     return dpreact, h, saved
 
 
-# (kernel, m, k, i): edge tiles in M and I (I a multiple of 16 but not of the tile), K past one step
-SHAPES = [("backward_prefetch", 1, 64, 48), ("backward_prefetch", 7, 40, 96), ("backward_prefetch", 37, 72, 80),
-          ("backward_split", 1, 64, 48), ("backward_split", 7, 50, 37), ("backward_split", 37, 72, 80)]
+# (kernel, m, k, i): edge tiles in M and I, I not a multiple of 16, K past one step
+SHAPES = [("backward_split", 1, 64, 48), ("backward_split", 7, 50, 37), ("backward_split", 37, 72, 80),
+          ("backward_split", 199, 130, 100)]
 
 
 @pytest.mark.parametrize("kernel,m,k,i", SHAPES)
@@ -88,13 +87,6 @@ def test_backward_variant_adds_dh_in(kernel):
     _check(dpreact, h, dy, wd, saved, "silu", dh_in=dh_in)
 
 
-def test_prefetch_kernel_refuses_what_tma_cannot_read():
-    dy, wd, preact = _case(7, 40, 37, torch.float16)  # I % 16 != 0
-    assert not MODULES["backward_prefetch"].can_run(dy, wd, preact, preact, preact[:, :37])
-    with pytest.raises(ValueError, match="kernel='backward_prefetch' needs"):
-        gated_backward(dy, wd, preact, kernel="backward_prefetch")
-
-
 @pytest.mark.parametrize("m,k,i", [(7, 40, 128), (37, 72, 80)])
 def test_tma_kernel_epilogue_in_four_slices(m, k, i):
     dy, wd, preact = _case(m, k, i, torch.float16)
@@ -113,3 +105,17 @@ def test_tma_kernel_refuses_epilogue_slices_it_cannot_cut():
         MODULES["backward_tma"].make_launcher(C(128, 128, 64, epilogue_subtiles=3), epilogue, torch.float16)
     with pytest.raises(ValueError, match="multiple of 64 with 4 epilogue slices"):
         MODULES["backward_tma"].make_launcher(C(128, 32, 64, epilogue_subtiles=4), epilogue, torch.float16)
+
+
+def test_split_kernel_takes_non_contiguous_dy_and_outputs():
+    dy, wd, preact = _case(2 * 45, 2 * 70, 53, torch.float32)
+    dy = dy[::2, ::2]  # both strides != natural
+    wd = wd.t().contiguous().t()[::2]  # column-major Wd rows 0, 2, ..: [70, 53]
+    preact = preact[::2]
+    big = torch.full((45, 2 * 2 * 53), float("nan"), device=DEVICE)
+    dpreact = big[:, ::2]
+    h = torch.full((53, 45), float("nan"), device=DEVICE).t()
+    gated_backward(dy, wd, preact, "silu", dpreact_out=dpreact, h_out=h, config=SMALL["backward_split"],
+                   kernel="backward_split")
+    _check(dpreact, h, dy, wd, preact, "silu")
+    assert torch.isnan(big[:, 1::2]).all(), "wrote outside the view"

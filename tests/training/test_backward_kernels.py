@@ -254,7 +254,7 @@ def test_every_backward_call_gets_a_rule_its_kernel_can_run(gpu):
                 if "backward_tma" in chosen:
                     assert "H100" in gpu and dtype != torch.float32 and i % 16 == 0 and aligned and m >= 65, text
     text = explain("NVIDIA H100 80GB HBM3", torch.bfloat16, 4096, 4096, 14336, op="backward")
-    assert "backward_tma" in next(line for line in text.splitlines() if "CHOSEN" in line)
+    assert "backward_split" in next(line for line in text.splitlines() if "CHOSEN" in line)
 
 
 def test_backward_errors():
