@@ -171,7 +171,7 @@ BACKWARD_RULES: tuple[Rule, ...] = (
          why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "
              "epilogue does not overlap its MMAs (its 128x128x64 s4 tile, DEFAULT_CONFIGS): Llama-3-8B 0.839 vs "
              "0.867 ms at M = 4096, 1.676 vs 1.769 at 8192, Gemma-2-9B 0.764 vs 0.842 and 1.527 vs 1.659, fp16 "
-             "0.866 vs 0.918 (H100; cuBLAS alone 0.604 at M = 4096)"),
+             "0.866 vs 0.918 (H100; cuBLAS alone 0.604 at M = 4096); M = 129-2048 not yet timed"),
     Rule("backward_tma", C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER,
          m=(65, 128), why="64-row tiles where M is too small for 128-row tiles to fill the SMs; not yet timed"),
     Rule("backward_pointer", C(16, 32, 64, num_warps=4, num_stages=3), m=(None, 16),
