@@ -17,7 +17,9 @@ Three ways to the same layout, each a few microseconds of host time up to `KERNE
 experts:
 
 - up to `KERNEL_PAIRS` pairs, one program of `_expert_blocks_kernel`: a histogram, a bitonic sort
-  of expert * 2^b + pair, two prefix sums, scattered stores (one launch);
+  of expert * 2^b + pair, two prefix sums, scattered stores (one launch). One program sorts what
+  one chunk of the chunked kernels sorts, so past a chunk the chunks' parallel programs win: at
+  4096 pairs (128 experts, H100) one program took 79 us of GPU time, the chunked kernels 17 us;
 - past that, chunks of `CHUNK_PAIRS` pairs (`expert_blocks_chunked`, two launches, one program
   per chunk): `_chunk_counts_kernel` stores each chunk's histogram [chunks, BLOCK_E] int32;
   `_chunk_scatter_kernel` sums those into every expert's padded rows and the pairs of earlier
@@ -37,7 +39,7 @@ import triton.language as tl
 from .configs import ceil_div
 from .launcher import FastLaunch
 
-KERNEL_PAIRS = 4096
+KERNEL_PAIRS = 1024
 KERNEL_EXPERTS = 1023
 CHUNK_PAIRS = 1024
 _FILL = 1024  # padding slots one program writes per step
