@@ -32,7 +32,8 @@ in turns round by round, the order reversed every other round:
   expert's pairs over the mean, per layer), and per `generate` row the first position where a
   sequence's greedy tokens differ;
 - watch (every prefill and generate row, `harness/step_watch.py`, no profiler): per mode the
-  host time of each prompt and decode-step forward and of `generate`'s loop between them, the
+  host time of each prompt and decode-step forward, of the experts modules within a step and of
+  `generate`'s loop between steps, the
   caching allocator's retries and peak reserved memory, the garbage collector's collections and
   time, and the device's free memory; with the rates of each round, what tells host time,
   allocator pressure, collector pauses and run-to-run noise apart.
@@ -369,7 +370,8 @@ def run_model(args, name: str, layers: int | None, out: Path) -> dict:
                     capture_check(models, narrow, device, vocab, gen, sync, data["capture"],
                                   lambda: write_json(data, path))
                 for batch in batches:  # one row at a time, each watched
-                    with StepWatch(models, device.type == "cuda", hooks=cache == "dynamic") as watch:
+                    with StepWatch(models, device.type == "cuda", hooks=cache == "dynamic",
+                                   marked=experts_modules) as watch:
                         (row,) = bench_e2e.measure_generate(models, _narrow(narrow, batches=[batch]), device, vocab,
                                                             gen, sync)
                     data["generate"] = data.get("generate", []) + [row | {"watch": watch.summary()}]

@@ -204,7 +204,8 @@ def _ms_cell(count: int, ms: dict) -> str:
 
 def _watch_cells(w: dict) -> str:
     gc_counts = "/".join(str(n) for n in w["gc_collections"])
-    return (f"{_ms_cell(w['prompts'], w['prompt_ms'])} | {_ms_cell(w['steps'], w['step_ms'])} | "
+    marked = w.get("marked_ms", {}).get("median")
+    return (f"{_ms_cell(w['prompts'], w['prompt_ms'])} | {_ms_cell(w['steps'], w['step_ms'])} | {fmt(marked, '.2f')} | "
             f"{fmt(w['gap_ms']['median'], '.2f')} | {gc_counts} ({w['gc_ms']:.1f} ms) | {w['alloc_retries']} | "
             f"{w['peak_reserved_gib']:.2f} / {w['peak_allocated_gib']:.2f} |")
 
@@ -219,20 +220,23 @@ def _watch(data: dict) -> list[str]:
     lines = ["", "## Host, collector and allocator per row (no profiler; every call of the row, first call included)",
              "", "rates: tokens/s of each round, in order. prompt and step forwards: count: ms of one forward of "
              "the model (hooks on its top module) over a prompt or a one-token decode step, median (p90, max): "
-             "host time, and any wait for the GPU inside it. gap ms: median from a forward's end to the same "
-             "model's next decode step (`generate`'s loop, its synchronisation included). gc: Python's collections by generation 0/1/2 (their time) charged to the mode whose "
-             "forward ran last. alloc retries: cudaMallocs that failed, freed the allocator's cache and retried. "
-             "reserved / allocated: the most seen after a forward. A compiled (static) row has no hooks: its "
-             "figures are the row's, under all.", "",
-             "| row | batch or prompt | mode | rates per round | prompt forwards | step forwards | gap ms | gc | alloc retries | "
-             "reserved / allocated GiB | free GiB, start / end |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "host time, and any wait for the GPU inside it. experts ms: the host time inside the experts "
+             "modules' forwards in one decode step, median. gap ms: median from a forward's end to the same "
+             "model's next decode step (`generate`'s loop, its synchronisation included). gc: Python's "
+             "collections by generation 0/1/2 (their time) charged to the mode whose forward ran last. alloc "
+             "retries: cudaMallocs that failed, freed the allocator's cache and retried. reserved / allocated: the "
+             "most seen after a forward. A compiled (static) row has no hooks: its figures are the row's, under "
+             "all.", "",
+             "| row | batch or prompt | mode | rates per round | prompt forwards | step forwards | experts ms | gap ms | "
+             "gc | alloc retries | reserved / allocated GiB | free GiB, start / end |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for what, size, work, r in rows:
         w = r["watch"]
         free = "/".join(fmt(x, ".1f") for x in w["free_gib"])
         for mode in ("eager", "patched"):
             name = "default" if mode == "eager" else mode
             figures = _watch_cells(w[mode]) if mode in w else (_watch_cells(w["all"]) if mode == "eager"
-                                                                else "| | | | | |")
+                                                                else "| | | | | | |")
             lines.append(f"| {what} | {size} | {name} | {_rates(r, mode, work)} | {figures} {free} |")
     return lines
 

@@ -9,6 +9,8 @@ Per mode (the models of one row, keyed like `bench_e2e`'s modes), over every cal
   sequence: `step_ms`) apart from a prompt's (`prompt_ms`), and the gap from a forward's end to
   the next decode step of the same model (`gap_ms`: `generate`'s loop between forwards, with its
   device synchronisation; a gap before a prompt's forward is between calls and left out);
+- marked modules (the experts modules, say): the host time inside their forwards, summed over
+  one decode step (`marked_ms`), the part of a step's host time that the patch changes;
 - the caching allocator: `num_alloc_retries` (a cudaMalloc that failed, freed the cache and
   retried: a synchronisation and a slow call), `num_ooms`, and the largest reserved and
   allocated bytes seen after a forward (CUDA only);
@@ -25,6 +27,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -55,6 +58,7 @@ class _Tally:
 
     def __init__(self):
         self.step_s: list[float] = []
+        self.marked_s: list[float] = []  # per decode step
         self.prompt_s: list[float] = []
         self.gap_s: list[float] = []
         self.retries = self.ooms = 0
@@ -65,6 +69,7 @@ class _Tally:
 
     def summary(self) -> dict:
         return {"steps": len(self.step_s), "step_ms": _ms(self.step_s), "gap_ms": _ms(self.gap_s),
+                "marked_ms": _ms(self.marked_s),
                 "prompts": len(self.prompt_s), "prompt_ms": _ms(self.prompt_s),
                 "alloc_retries": self.retries, "ooms": self.ooms,
                 "peak_reserved_gib": self.peak_reserved / 2**30, "peak_allocated_gib": self.peak_allocated / 2**30,
@@ -78,14 +83,17 @@ class StepWatch:
         models: the row's models by mode.
         cuda: the models run on CUDA (allocator figures and free memory are read).
         hooks: time each forward with hooks on the top modules (False for a compiled forward).
+        marked: model -> the modules whose forwards' host time is summed per decode step (with hooks).
     """
 
-    def __init__(self, models: dict[str, torch.nn.Module], cuda: bool, hooks: bool = True):
-        self.models, self.cuda, self.hooks = models, cuda, hooks
+    def __init__(self, models: dict[str, torch.nn.Module], cuda: bool, hooks: bool = True,
+                 marked: Callable[[torch.nn.Module], list[torch.nn.Module]] | None = None):
+        self.models, self.cuda, self.hooks, self.marked = models, cuda, hooks, marked
         self.tallies = {mode: _Tally() for mode in (models if hooks else ["all"])}
         self.current = None if hooks else "all"
         self._handles: list = []
         self._gc_t0: float | None = None
+        self._in_marked = 0.0  # host seconds inside marked forwards since the top forward began
 
     def _pre(self, mode: str):
         def pre(module, args, kwargs):
@@ -94,6 +102,7 @@ class StepWatch:
             self._t0 = now = time.perf_counter()
             ids = kwargs.get("input_ids", args[0] if args else None)
             self._step = ids is not None and ids.shape[-1] == 1
+            self._in_marked = 0.0
             if self._step and tally.last_end is not None:
                 tally.gap_s.append(now - tally.last_end)
         return pre
@@ -103,8 +112,16 @@ class StepWatch:
             tally = self.tallies[mode]
             tally.last_end = now = time.perf_counter()
             (tally.step_s if self._step else tally.prompt_s).append(now - self._t0)
+            if self._step and self.marked is not None:
+                tally.marked_s.append(self._in_marked)
             self._charge_allocator(tally)
         return post
+
+    def _marked_pre(self, module, args) -> None:
+        self._marked_t0 = time.perf_counter()
+
+    def _marked_post(self, module, args, output) -> None:
+        self._in_marked += time.perf_counter() - self._marked_t0
 
     def _charge_allocator(self, tally: _Tally) -> None:
         stats = _alloc_stats(self.cuda)
@@ -132,6 +149,9 @@ class StepWatch:
             for mode, model in self.models.items():
                 self._handles.append(model.register_forward_pre_hook(self._pre(mode), with_kwargs=True))
                 self._handles.append(model.register_forward_hook(self._post(mode), with_kwargs=True))
+                for m in (self.marked(model) if self.marked is not None else []):
+                    self._handles.append(m.register_forward_pre_hook(self._marked_pre))
+                    self._handles.append(m.register_forward_hook(self._marked_post))
         gc.callbacks.append(self._on_gc)
         return self
 

@@ -56,6 +56,7 @@ def test_dry_run_of_qwen3_moe_every_part(tmp_path):
         w = data["generate"][0]["watch"][mode]
         assert (w["prompts"], w["steps"], len(data["generate"][0]["watch"]["free_gib"])) == (2, 4, 2)
         assert w["step_ms"]["median"] > 0 and w["gap_ms"]["median"] > 0 and w["alloc_retries"] == 0
+        assert 0 < w["marked_ms"]["median"] < w["step_ms"]["median"]  # the experts: part of a step's host time
         w = data["prefill"][0]["watch"][mode]
         assert (w["prompts"], w["steps"], w["gap_ms"]["median"]) == (2, 0, None)
     assert set(data["generate"][1]["watch"]) == {"all", "free_gib"}  # the static row: no hooks
