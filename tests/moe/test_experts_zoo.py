@@ -1,8 +1,8 @@
 """Every MoE family of the installed transformers on the fused experts' Triton kernels.
 
 The zoo (tests/zoo) patches every model type through the PyTorch path; here each type whose config
-holds routed experts is built tiny (`zoo.tiny_zoo.build`) and patched with backend="triton" (the
-interpreter on CPU, fp32): its logits and 4 greedy tokens must equal the unpatched model's, and
+holds routed experts is built tiny (`zoo.tiny_zoo.build`) and patched with backend="triton" in fp32
+(the interpreter on CPU; the compiled kernels where CUDA is present, the model moved there): its logits and 4 greedy tokens must equal the unpatched model's, and
 unpatch must restore them. A type whose experts are refused (the report's reason) or whose tiny
 model cannot run unpatched is skipped with that reason. About 5 minutes on 2 cores: slow.
 """
@@ -16,6 +16,8 @@ from zoo.examine import LOGIT_TOL, _generate, _logits, _prompt
 from zoo.tiny_zoo import CannotBuild, build, model_types, quiet
 
 from swiglu_patch import apply_fused_mlp, unpatch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest turns the interpreter on where CUDA is absent
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +48,7 @@ def test_moe_family_on_the_triton_kernels(model_type):
         built = build(model_type)
     except CannotBuild as e:
         pytest.skip(f"cannot be built small: {e}")
-    model, ids = built.model, _prompt(built)
+    model, ids = built.model.to(DEVICE), _prompt(built).to(DEVICE)
     try:
         ref, tokens = _logits(model, ids), _generate(model, ids)
     except Exception as e:  # noqa: BLE001 - the unpatched tiny model's own failure
