@@ -306,7 +306,7 @@ def register_implementation() -> None:
     except ImportError:  # a transformers without the experts interface: nothing to register with
         return
     ExpertsInterface.register(IMPLEMENTATION, fused_experts_forward)
-    experts_lora.install()  # PEFT's LoRA on these experts: inside the grouped GEMMs
+    experts_lora.install(IMPLEMENTATION)  # PEFT's LoRA on these experts: inside the grouped GEMMs
 
 
 # -- switching a model's experts modules (apply_fused_mlp, unpatch) -------------------------------------------

@@ -39,6 +39,7 @@ _BOUND = "_swiglu_lora"  # on an experts module during a wrapper's forward: {par
 _WARNED = "_swiglu_lora_warned"
 _MATERIALIZE = "_swiglu_lora_materialize"  # set by `materialize`: PEFT's own path, asked for
 _ORIGINAL = "_swiglu_original_activate_lora"  # on ParamWrapper: PEFT's own _activate_lora
+_fused_implementation: str | None = None  # the experts implementation name that runs fused (`install`'s)
 
 
 def _param_wrapper():
@@ -50,8 +51,11 @@ def _param_wrapper():
     return ParamWrapper if hasattr(ParamWrapper, "_activate_lora") else None
 
 
-def install() -> bool:
-    """Route PEFT's experts LoRA through the fused kernels (idempotent); False where PEFT has no `ParamWrapper`."""
+def install(implementation: str) -> bool:
+    """Route PEFT's experts LoRA through the fused kernels for experts modules whose config runs the
+    experts implementation named `implementation` (idempotent); False where PEFT has no `ParamWrapper`."""
+    global _fused_implementation
+    _fused_implementation = implementation
     cls = _param_wrapper()
     if cls is None:
         return False
@@ -62,11 +66,9 @@ def install() -> bool:
 
 
 def runs_fused(experts: nn.Module) -> bool:
-    """Whether `experts` runs on swiglu-patch's experts implementation."""
-    from .experts import IMPLEMENTATION
-
+    """Whether `experts` runs on swiglu-patch's experts implementation (the name `install` was given)."""
     config = getattr(experts, "config", None)
-    return getattr(config, "_experts_implementation", None) == IMPLEMENTATION
+    return _fused_implementation is not None and getattr(config, "_experts_implementation", None) == _fused_implementation
 
 
 def refusal(wrapper: nn.Module, experts: nn.Module, adapters: list[str]) -> str | None:
