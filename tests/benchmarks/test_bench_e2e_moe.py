@@ -75,7 +75,9 @@ def test_dry_run_of_gpt_oss_generate_only(tmp_path):
     data = _dry_run(tmp_path, "gpt-oss-20b:2", "--parts", "generate", "--static-batches", "--batches", "2")
     assert data["model"]["model_type"] == "gpt_oss" and data["model"]["attn"] == "eager"
     assert [(g["cache"], g["batch"]) for g in data["generate"]] == [("dynamic", 2)]
-    assert len(data["generate"][0]["equal_leading"]) == 2  # every sequence of the batch checked
+    assert data["generate"][0]["equal_leading"] == [3, 3]  # every sequence checked; fp32: the same tokens
+    a = data["agreement"]
+    assert a["top1_agree"] == 1.0 and a["routing_differs"] == 0.0 and a["rel_logit_diff"] < 1e-5
     assert not {"prefill", "prefill_profile", "capture", "profile"} & set(data)
 
 
