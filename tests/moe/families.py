@@ -15,8 +15,9 @@ tensors' sizes (E, K, I, top_k), which the tiny builds share (`zoo.tiny_zoo`) an
 other code path in the kernels.
 
 `representatives()` groups the families by signature: per signature, its families sorted by name;
-the first stands for the others on the kernels, where the interpreter makes every family too slow.
-Only strings and tuples are cached (no tensors).
+the first stands for the others on the kernels, where the interpreter makes every family too slow
+(`skip_unless_representative` skips the others, naming it). The grouping builds every MoE type once,
+on first use (about a minute on 2 cores); only strings and tuples are cached (no tensors).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import pytest
 from transformers import AutoConfig
 from zoo.examine import _logits, _prompt
 from zoo.tiny_zoo import CannotBuild, build, model_types, quiet
@@ -105,9 +107,13 @@ def representatives() -> dict[tuple, tuple[str, ...]]:
     return {sig: tuple(members) for sig, members in sorted(groups.items(), key=lambda kv: kv[1][0])}
 
 
-def kernel_params() -> list:
-    """One `pytest.param(model_type)` per signature, its id naming the families it stands for."""
-    import pytest
-
-    return [pytest.param(members[0], id=members[0] + (f"(for {','.join(members[1:])})" if members[1:] else ""))
-            for members in representatives().values()]
+def skip_unless_representative(model_type: str) -> None:
+    """`pytest.skip` unless `model_type` is the first family by name of its signature, with the reason: its
+    experts are not fused (`Family.reason`), or which family runs on the kernels for it."""
+    f = family(model_type)
+    if not f.signature:
+        pytest.skip(f.reason)
+    first = representatives()[f.signature][0]
+    if first != model_type:
+        pytest.skip(f"runs on the kernels as {first}, the first family by name with its experts signature "
+                    f"({describe(f.signature)})")
