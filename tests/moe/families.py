@@ -66,6 +66,7 @@ def spec_of_key(key: tuple) -> ExpertsSpec:
 
 
 def describe(signature: tuple) -> str:
+    """The signature in words: each spec's `describe()`, joined by " | "."""
     return " | ".join(spec_of_key(k).describe() for k in signature)
 
 
