@@ -38,7 +38,7 @@ from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
 from .bench_moe_train import memory_of, step_fn
-from .harness.cli import Parser, UsageError, guarded, render_or_run, require_cuda, write_json
+from .harness.cli import Parser, guarded, render_or_run, require_device, write_json
 
 PROG = "python -m benchmarks.bench_moe_lora"
 SCHEMA = 1
@@ -231,14 +231,9 @@ def render_markdown(data: dict) -> str:
 
 
 def _main(argv: list[str] | None) -> int:
-    from swiglu_patch.kernels.device import interpreting
-
     args = parse_args(argv)
-    if args.dry_run and not interpreting():
-        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
-                         f"imported: run `TRITON_INTERPRET=1 {PROG} --dry-run ...`")
-    if not args.render and not args.dry_run:
-        require_cuda(PROG)
+    if not args.render:
+        require_device(PROG, args.dry_run)
     return render_or_run(args, "moe_lora", SCHEMA, run, render_markdown)
 
 

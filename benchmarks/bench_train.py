@@ -40,7 +40,7 @@ import traceback
 from pathlib import Path
 
 from .harness.accuracy import rel_error
-from .harness.cli import Parser, UsageError, guarded, require_cuda, write_json
+from .harness.cli import Parser, guarded, require_device, write_json
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
 
@@ -433,14 +433,9 @@ def _main(argv: list[str] | None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # in time if Triton is not imported yet
     import torch
 
-    from swiglu_patch.kernels.device import interpreting
     from swiglu_patch.provenance import environment
 
-    if args.dry_run and not interpreting():
-        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
-                         f"imported: run `TRITON_INTERPRET=1 {PROG} --dry-run ...`")
-    if not args.dry_run:
-        require_cuda(PROG)
+    require_device(PROG, args.dry_run)
     start = time.time()
     cuda = not args.dry_run
     device = torch.device("cuda" if cuda else "cpu")

@@ -42,6 +42,18 @@ def require_cuda(prog: str) -> None:
         raise UsageError(f"no CUDA device here; run {prog} on the GPU, or pass --dry-run (CPU, tiny shapes)")
 
 
+def require_device(prog: str, dry_run: bool) -> None:
+    """Raise UsageError unless this run can happen here: a dry run needs Triton's interpreter (on
+    before Triton is imported), any other run a CUDA device (`require_cuda`)."""
+    from swiglu_patch.kernels.device import interpreting
+
+    if not dry_run:
+        require_cuda(prog)
+    elif not interpreting():
+        raise UsageError("--dry-run runs the kernels in Triton's interpreter, which must be on before Triton is "
+                         f"imported: run `TRITON_INTERPRET=1 {prog} --dry-run ...`")
+
+
 def read_json(path: Path) -> dict:
     """The JSON object in `path`.
 
