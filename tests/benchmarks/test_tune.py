@@ -1,5 +1,6 @@
-"""benchmarks/tune.py: every sweep's candidates are configs their kernel takes, the dry run checks
-and times candidates in Triton's interpreter against the shipped rule, the per-bucket pick by hand."""
+"""benchmarks/tune.py: every sweep's candidates (harness/sweep_candidates.py) are configs their kernel
+takes, the dry run checks and times candidates in Triton's interpreter against the shipped rule, the
+per-bucket pick by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks import tune
+from benchmarks.harness import sweep_candidates
 from benchmarks.harness.shapes import SHAPES, TP_SHARD_SHAPES
 from swiglu_patch.kernels import (dispatch, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from swiglu_patch.kernels.epilogue import GatedEpilogue
@@ -29,16 +31,16 @@ def _shipped(k, i):
     return shipped
 
 
-@pytest.mark.parametrize("sweep", sorted(tune.SWEEPS))
+@pytest.mark.parametrize("sweep", sorted(sweep_candidates.SWEEPS))
 def test_every_candidate_is_a_config_its_kernel_takes(sweep):
-    assert set(SWEEP_TOKENS) == set(tune.SWEEPS)
+    assert set(SWEEP_TOKENS) == set(sweep_candidates.SWEEPS)
     epilogue = dict(GatedEpilogue.of("silu").constexprs(), APPROX_TANH=False)
     for shape in SHAPES + TP_SHARD_SHAPES:
         for m in SWEEP_TOKENS[sweep]:
-            cands = [(k, c) for k, c in tune.SWEEPS[sweep](m, shape.hidden, shape.intermediate,
-                                                          _shipped(shape.hidden, shape.intermediate)) if c]
+            cands = [(k, c) for k, c in sweep_candidates.SWEEPS[sweep](m, shape.hidden, shape.intermediate,
+                                                                      _shipped(shape.hidden, shape.intermediate)) if c]
             assert cands, (sweep, shape.name, m)
-            labels = [tune.label(k, c) for k, c in cands]
+            labels = [sweep_candidates.label(k, c) for k, c in cands]
             assert len(labels) == len(set(labels)), (sweep, m, labels)
             for kernel, config in cands:
                 if sweep in ("backward", "backward_variants"):
@@ -73,7 +75,7 @@ def test_the_training_sweeps_check_both_outputs_against_float64(tmp_path, sweep)
                       "--shapes", "tiny-silu"]) == 0
     data = json.loads((tmp_path / "tune.json").read_text())
     rows = data["rows"]
-    assert {r["op"] for r in rows} == {tune.OP[sweep]} and {r["m"] for r in rows} == {7, 33}
+    assert {r["op"] for r in rows} == {sweep_candidates.OP[sweep]} and {r["m"] for r in rows} == {7, 33}
     if sweep == "backward_variants":  # the TMA kernels are skipped on CPU; the split kernel runs
         assert {r["kernel"] for r in rows if r["status"] == "ok"} >= {"backward_split"}
         assert isinstance(data["compiled"], list)
