@@ -1,5 +1,6 @@
 """Training at the MLP level: forward + backward of one gated MLP, HF eager against Liger and
-swiglu-patch's `gated_mlp` (store and recompute modes), with gradients checked against float64.
+swiglu-patch's `gated_mlp` (store and recompute modes; the modules are `harness/train_mlps.py`),
+with gradients checked against float64.
 
     python -m benchmarks.bench_train --out DIR [--commit SHA] [--budget-s 420]
     python -m benchmarks.bench_train --dry-run --out /tmp/x      # CPU: tiny shapes, interpreter
@@ -43,6 +44,7 @@ from .harness.accuracy import rel_error
 from .harness.cli import Parser, guarded, require_device, write_json
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
+from .harness.train_mlps import eager_module, liger_modules, ours_module
 
 PROG = "python -m benchmarks.bench_train"
 MIB = 2**20
@@ -112,78 +114,6 @@ def memory_of(module, x, dy, device) -> dict:
     module.zero_grad(set_to_none=True)
     x.grad = None
     return {"saved_mib": saved / MIB, "peak_mib": peak / MIB}
-
-
-# -- the ways ------------------------------------------------------------------------------
-
-
-def eager_module(row: Row, device, dtype):
-    """HF's own MLP class: LlamaMLP (silu) or Gemma2MLP (gelu_pytorch_tanh), random init."""
-    import torch
-
-    with torch.device(device):
-        if row.act == "silu":
-            from transformers import LlamaConfig
-            from transformers.models.llama.modeling_llama import LlamaMLP
-
-            config = LlamaConfig(hidden_size=row.k, intermediate_size=row.i, hidden_act="silu")
-            return LlamaMLP(config).to(dtype), config
-        from transformers import Gemma2Config
-        from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP
-
-        config = Gemma2Config(hidden_size=row.k, intermediate_size=row.i, hidden_activation="gelu_pytorch_tanh")
-        return Gemma2MLP(config).to(dtype), config
-
-
-def ours_module(eager, act: str, mode: str):
-    import torch
-
-    from swiglu_patch.kernels.layout import PackedGateUp, interleave_gate_up
-    from swiglu_patch.training import gated_mlp
-
-    class OursMLP(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            with torch.no_grad():
-                w = interleave_gate_up(eager.gate_proj.weight, eager.up_proj.weight)
-            self.gate_up_interleaved = torch.nn.Parameter(w)
-            self.down = torch.nn.Parameter(eager.down_proj.weight.detach().clone())
-
-        def forward(self, x):
-            return gated_mlp(x, PackedGateUp(self.gate_up_interleaved), self.down, None, act, mode)
-
-    return OursMLP()
-
-
-def liger_modules(row: Row, config, eager) -> dict:
-    """{name: module} of the Liger MLPs for this activation; {name: error} where unavailable."""
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError as e:
-        return {"liger": f"not installed ({e})"}
-    from .harness.ways import fast_liger_autotune
-
-    # LigerMLP tunes 32 configs for each of two kernels per (K, I, M bucket): shorter timing
-    # still separates them, and the chosen config is then timed like every other way.
-    fast_liger_autotune(5, 20, ("_swiglu_kernel_forward", "_swiglu_kernel_backward_dI"))
-    out = {}
-    classes = ([("liger_swiglu (LigerSwiGLUMLP)", "liger_kernel.transformers.swiglu", "LigerSwiGLUMLP"),
-                ("liger_mlp (LigerMLP)", "liger_kernel.transformers.mlp", "LigerMLP")] if row.act == "silu" else
-               [("liger_geglu (LigerGEGLUMLP)", "liger_kernel.transformers.geglu", "LigerGEGLUMLP")])
-    weight = eager.gate_proj.weight
-    for name, module_name, cls in classes:
-        try:
-            import importlib
-
-            import torch
-
-            with torch.device(weight.device):
-                mod = getattr(importlib.import_module(module_name), cls)(config).to(weight.dtype)
-            mod.load_state_dict(eager.state_dict())
-            out[name] = mod
-        except Exception as e:  # noqa: BLE001 - recorded, the others still run
-            out[name] = f"{type(e).__name__}: {e}"
-    return out
 
 
 # -- 1. correctness --------------------------------------------------------------------------
@@ -307,10 +237,10 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
     import torch
 
     dtype = getattr(torch, row.dtype)
-    eager, config = eager_module(row, device, dtype)
+    eager, config = eager_module(row.act, row.k, row.i, device, dtype)
     ways = {"hf_eager": eager}
     if device.type == "cuda":
-        ways |= {n: m for n, m in liger_modules(row, config, eager).items() if liger_mlp or "LigerMLP" not in n}
+        ways |= {n: m for n, m in liger_modules(row.act, config, eager).items() if liger_mlp or "LigerMLP" not in n}
     ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute")}
     x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(row.m, row.k, device=device, dtype=dtype)

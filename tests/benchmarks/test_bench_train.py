@@ -1,5 +1,5 @@
-"""benchmarks/bench_train.py: the targets' verdicts by hand, the whole script on CPU (--dry-run), and its
-one-line errors."""
+"""benchmarks/bench_train.py: the targets' verdicts by hand, the whole script on CPU (--dry-run), its
+one-line errors, and its module of ours (harness/train_mlps.py) against HF eager on the same weights."""
 
 import json
 
@@ -59,3 +59,27 @@ def test_no_gpu_and_no_dry_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no CUDA device" in err and "--dry-run" in err
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_ours_module_trains_like_hf_eager_on_its_weights(act):
+    import torch
+
+    from benchmarks.harness.train_mlps import eager_module, ours_module
+    from swiglu_patch.kernels.layout import interleave_gate_up
+
+    torch.manual_seed(0)
+    eager, _ = eager_module(act, 32, 48, "cpu", torch.float32)
+    x, dy = torch.randn(5, 32), torch.randn(5, 32)
+    xe = x.clone().requires_grad_()
+    eager(xe).backward(dy)
+    want_dw = interleave_gate_up(eager.gate_proj.weight.grad, eager.up_proj.weight.grad)
+    for mode in ("store", "recompute"):
+        ours = ours_module(eager, act, mode)
+        xo = x.clone().requires_grad_()
+        y = ours(xo)
+        y.backward(dy)
+        torch.testing.assert_close(y, eager(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(xo.grad, xe.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.gate_up_interleaved.grad, want_dw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.down.grad, eager.down_proj.weight.grad, rtol=1e-5, atol=1e-5)
