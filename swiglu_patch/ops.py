@@ -393,9 +393,14 @@ def _backward(ctx, dy, _dpreact, dh_in):
                 preact = torch.addmm(preact, x_lr, b_lr.t())
         h = gated_mlp_dpreact_op(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
         dpreact = preact  # dP now, written over P
-        if need_wd:
+        # dWd [K, I] needs h [M, I]; the other GEMMs need dP [M, 2I], alive to the last of them. Either h
+        # or dWd lives beside dP, dW and dx at the peak: dWd first (h freed) unless M < K in recompute
+        # mode, where dP is this function's own and can be freed before dWd (docs/training.md, "Memory").
+        dwd_last = need_wd and not ctx.store_preact and x.shape[0] < down_weight.shape[0]
+        if need_wd and not dwd_last:
             dwd = dy.t() @ h
-        del h
+        if not dwd_last:
+            del h
         if need_x:
             dx = dpreact @ gate_up_weight
         if need_w:
@@ -406,6 +411,9 @@ def _backward(ctx, dy, _dpreact, dh_in):
             dxlr = dpreact @ b_lr
         if need_blr:
             dblr = dpreact.t() @ x_lr
+        if dwd_last:
+            del preact, dpreact
+            dwd = dy.t() @ h
     return (dx, dw, db, dwd, dbd, dxlr, dblr) + none
 
 

@@ -1,0 +1,117 @@
+"""Peak live bytes of one forward + backward of `gated_mlp`, against a Liger-style MLP's, on CPU.
+
+What `benchmarks/bench_train.py` reads on the GPU as ``max_memory_allocated`` above the inputs
+(x, dY and the weights; y is held through the backward and every gradient counts),
+`memory.live_tensors.LiveTensors` counts here, storage by storage, at op granularity: the
+registered ops (``gated_mlp``, ``gated_mlp_dpreact``) count as their outputs, as the kernels
+allocate (their inner PyTorch temporaries, which the kernels do not have, stay unseen).
+
+Counts in elements (M tokens, K hidden, I intermediate), derived in docs/training.md, "Memory":
+
+- ours, store: dP + dW + dx + dWd + y = 2MI + 3IK + 2MK, the least any order reaches while dP
+  is one tensor and dW, dx are fresh ones; recompute: the same for M >= K, and for M < K
+  max(3MI + 2IK, MI + 3IK) + 2MK (dP freed before dWd);
+- Liger's `LigerSwiGLUMLP` (three nn.Linear, `LigerSiLUMulFunction` saving gate and up and writing
+  their gradients over them): max(4MI + IK + MK at down_proj's backward, MI + 3IK + 3MK at up_proj's).
+
+So ours <= Liger's iff M >= 2IK / (2I - K), and at M = K ours is MK (dx) above it.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from memory.live_tensors import LiveTensors
+
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.training import gated_mlp_interleaved
+
+K, I = 64, 224  # Llama-3-8B's I / K = 3.5; past M = 2IK / (2I - K) = 74.7 ours is the lower
+
+
+@torch.library.custom_op("swiglu_patch_tests::liger_silu_mul", mutates_args=())
+def liger_silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Liger's swiglu_forward: c = silu(a) * b, a new [M, I] tensor."""
+    return F.silu(a) * b
+
+
+@liger_silu_mul.register_fake
+def _(a, b):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("swiglu_patch_tests::liger_silu_mul_backward", mutates_args=("a", "b"))
+def liger_silu_mul_backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Liger's swiglu_backward: da and db written over a and b (no new tensor)."""
+    s = torch.sigmoid(a)
+    db = dc * a * s
+    a.copy_(dc * s * (1 + a * (1 - s)) * b)
+    b.copy_(db)
+
+
+def _liger_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _liger_backward(ctx, dc):
+    a, b = ctx.saved_tensors
+    liger_silu_mul_backward(dc, a, b)
+    return a, b
+
+
+liger_silu_mul.register_autograd(_liger_backward, setup_context=_liger_setup)
+
+
+def ours_count(m, k, i, mode):
+    if mode == "recompute" and m < k:
+        return max(3 * m * i + 2 * i * k, m * i + 3 * i * k) + 2 * m * k
+    return 2 * m * i + 3 * i * k + 2 * m * k
+
+
+def liger_count(m, k, i):
+    return max(4 * m * i + i * k + m * k, m * i + 3 * i * k + 3 * m * k)
+
+
+def peak_elements(m, way, mode="store"):
+    """Peak elements alive over one forward + backward, beyond x, dY and the weights (fp32)."""
+    x = torch.randn(m, K, requires_grad=True)
+    dy = torch.randn(m, K)
+    if way == "ours":
+        weights = [torch.randn(2 * I, K) / K**0.5, torch.randn(K, I) / I**0.5]
+    else:
+        weights = [torch.randn(I, K) / K**0.5, torch.randn(I, K) / K**0.5, torch.randn(K, I) / I**0.5]
+    weights = [w.requires_grad_() for w in weights]
+
+    def forward():
+        if way == "ours":
+            return gated_mlp_interleaved(x, weights[0], None, weights[1], None, GatedEpilogue("silu"), mode, "torch")
+        wg, wu, wd = weights
+        return F.linear(liger_silu_mul(F.linear(x, wg), F.linear(x, wu)), wd)
+
+    with LiveTensors({t.untyped_storage().data_ptr() for t in (x, dy, *weights)}) as tracker:
+        y = forward()
+        y.backward(dy)  # y stays alive through the backward, as in bench_train
+        del y
+    assert all(t.grad is not None for t in (x, *weights))
+    return tracker.peak // 4
+
+
+@pytest.mark.parametrize("mode", ["store", "recompute"])
+@pytest.mark.parametrize("m", [32, 64, 128])
+def test_ours_peak_is_the_count(m, mode):
+    assert peak_elements(m, "ours", mode) == ours_count(m, K, I, mode)
+
+
+@pytest.mark.parametrize("m", [32, 64, 128])
+def test_liger_style_peak_is_its_count(m):
+    assert peak_elements(m, "liger") == liger_count(m, K, I)
+
+
+def test_recompute_frees_dpreact_before_dwd_below_k():
+    """M < K, recompute: dWd after dP is freed lowers the peak by I * min(K - M, M) under store's order."""
+    assert peak_elements(32, "ours", "recompute") == peak_elements(32, "ours", "store") - I * 32
+
+
+def test_ours_against_liger_style():
+    """At M = K ours is dx (M*K) above the Liger-style peak; past 2IK / (2I - K) it is at or below."""
+    assert peak_elements(64, "ours") - peak_elements(64, "liger") == 64 * K
+    assert peak_elements(128, "ours") <= peak_elements(128, "liger")
