@@ -53,11 +53,26 @@ def check_low_rank(fn: str, x: torch.Tensor, low_rank: ExpertsLowRank, num_exper
     return blocks[0], blocks[1]
 
 
-def _buffers(x, low_rank: ExpertsLowRank, num_pairs: int) -> tuple:
-    """The launchers' lora tuple: the adapters, their scales, and zeroed x_lr, h_lr [S, r]."""
+def _prologue(fn: str, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              gate_up: torch.Tensor, down: torch.Tensor, low_rank: ExpertsLowRank, layout: ExpertsLayout,
+              gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None) -> tuple[int, int, tuple[int, int], int]:
+    """What both entry points check and size first: the experts' operands, then the adapters.
+
+    Returns:
+        (I, K_out, (BLOCK_R of gate_up, of down; 0 where no adapter), S = T * top_k pairs).
+
+    Raises:
+        ValueError, TypeError: from `experts.check_experts_operands` or `check_low_rank`.
+    """
+    check_experts_operands(fn, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, layout)
+    inter, k_out = _sizes(x, gate_up, down, layout)
+    blocks = check_low_rank(fn, x, low_rank, gate_up.shape[0], x.shape[1], inter, k_out)
+    return inter, k_out, blocks, top_k_index.numel()
+
+
+def _lora(low_rank: ExpertsLowRank, x_lr: torch.Tensor | None, h_lr: torch.Tensor | None) -> tuple:
+    """The launchers' lora tuple: gate_up's A, B and scale, down's A, B and scale, x_lr, h_lr [S, r]."""
     lr = low_rank
-    x_lr = x.new_zeros((num_pairs, lr.gate_up_a.shape[1])) if lr.gate_up_a is not None else None
-    h_lr = x.new_zeros((num_pairs, lr.down_a.shape[1])) if lr.down_a is not None else None
     return (lr.gate_up_a, lr.gate_up_b, float(lr.gate_up_scale), lr.down_a, lr.down_b, float(lr.down_scale), x_lr, h_lr)
 
 
@@ -87,20 +102,20 @@ def experts_low_rank_forward(
         ValueError, TypeError: operands the kernels cannot take (the message names the fix).
     """
     fn = "experts_low_rank_forward"
-    check_experts_operands(fn, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, layout)
-    inter, k_out = _sizes(x, gate_up, down, layout)
-    blocks = check_low_rank(fn, x, low_rank, gate_up.shape[0], x.shape[1], inter, k_out)
-    num_pairs = top_k_index.numel()
+    inter, k_out, blocks, num_pairs = _prologue(fn, x, top_k_index, top_k_weights, gate_up, down, low_rank, layout,
+                                                gate_up_bias, down_bias)
     out = x.new_empty((x.shape[0], k_out))
     preact = x.new_empty((num_pairs, 2 * inter)) if store_preact else None
-    lora = _buffers(x, low_rank, num_pairs)
+    x_lr, h_lr = (x.new_zeros((num_pairs, a.shape[1])) if a is not None else None  # sentinel pairs' rows stay 0
+                  for a in (low_rank.gate_up_a, low_rank.down_a))
     if x.shape[0] > 0:
         key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
         extras = (layout, gate_up_bias is not None, top_k_index.shape[1], store_preact, blocks)
         _launch(fn, "experts_preact" if store_preact else "experts", key, epilogue,
                 resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
-                (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact, lora), "auto", None)
-    return out, preact, lora[6], lora[7]
+                (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact,
+                 _lora(low_rank, x_lr, h_lr)), "auto", None)
+    return out, preact, x_lr, h_lr
 
 
 def experts_low_rank_backward(
@@ -139,10 +154,9 @@ def experts_low_rank_backward(
         ValueError, TypeError: operands the kernels cannot take (the message names the fix).
     """
     fn = "experts_low_rank_backward"
-    check_experts_operands(fn, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, layout)
-    inter, k_out = _sizes(x, gate_up, down, layout)
-    blocks = check_low_rank(fn, x, low_rank, gate_up.shape[0], x.shape[1], inter, k_out)
-    tokens, num_pairs = x.shape[0], top_k_index.numel()
+    inter, k_out, blocks, num_pairs = _prologue(fn, x, top_k_index, top_k_weights, gate_up, down, low_rank, layout,
+                                                gate_up_bias, down_bias)
+    tokens = x.shape[0]
     if len(needs) != len(GRADIENTS) + len(LOW_RANK_GRADIENTS):
         raise ValueError(f"{fn}: needs must be 10 bools, for {GRADIENTS + LOW_RANK_GRADIENTS}, got {needs!r}")
     if tuple(dout.shape) != (tokens, k_out) or dout.dtype != x.dtype or dout.device != x.device:
@@ -163,8 +177,6 @@ def experts_low_rank_backward(
                      for t, n in zip(likes, needs))
     key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
     extras = (layout, has_bias, top_k_index.shape[1], blocks)
-    lora = (low_rank.gate_up_a, low_rank.gate_up_b, float(low_rank.gate_up_scale), low_rank.down_a, low_rank.down_b,
-            float(low_rank.down_scale), x_lr, h_lr)
     return _launch(fn, "experts_backward", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
                    (dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs[:6],
-                    lora, needs[6:]), "auto", None)
+                    _lora(low_rank, x_lr, h_lr), needs[6:]), "auto", None)
