@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from distributed import launch
+from distributed import fsdp2_common as common, launch
 import pytest
 import torch
 from helpers import rel_err, tiny_model
-from training_stack.training_common import token_batches, train, train_backends
+from training_stack.training_common import token_batches, train_backends
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -51,24 +51,13 @@ def ranks(checkpoint, tmp_path_factory) -> list[dict]:
     return launch.ranks_of(WORKER, dict(path=str(checkpoint), backends=backends, batches=BATCHES, lr=LR, lora=LORA), tmp_path_factory.mktemp("fsdp2"), 2, BUDGET_S)
 
 
-def recorded(ranks, backend) -> list[dict]:
-    """Each rank's record for `backend`; an exception a rank raised is raised here (NotImplementedError as itself)."""
-    for r, res in enumerate(ranks):
-        rec = res[backend]
-        if "exception" in rec:
-            if rec["type"] == "NotImplementedError":
-                raise NotImplementedError(f"rank {r}: {rec['exception']}")
-            pytest.fail(f"rank {r}, backend {backend} raised:\n{rec['exception']}")
-    return [res[backend] for res in ranks]
-
-
 def unsharded(checkpoint, backend: str | None) -> dict:
     return launch.unsharded(checkpoint, backend, BATCHES, LR)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_weight_shards_along_dim0_and_reshards(ranks, backend):
-    for rec in recorded(ranks, backend):
+    for rec in common.recorded(ranks, backend):
         sharded = ("DTensor", ("Shard(dim=0)",), (72, 64), (144, 64))
         assert rec["packed_before"] == sharded, rec["packed_before"]
         kind, placements, local, whole = rec["packed_inside"]
@@ -78,7 +67,7 @@ def test_packed_weight_shards_along_dim0_and_reshards(ranks, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_losses_and_gradients_equal_the_unsharded_run(ranks, checkpoint, backend):
-    recs = recorded(ranks, backend)
+    recs = common.recorded(ranks, backend)
     ref, eager = unsharded(checkpoint, backend), unsharded(checkpoint, None)
     for rec in recs:
         for ours, theirs in ((rec["losses"], ref["losses"]), (rec["losses"], eager["losses"])):
@@ -95,7 +84,7 @@ def test_losses_and_gradients_equal_the_unsharded_run(ranks, checkpoint, backend
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_state_dicts_speak_the_original_keys_and_load_back(ranks, checkpoint, backend):
-    recs = recorded(ranks, backend)
+    recs = common.recorded(ranks, backend)
     eager = unsharded(checkpoint, None)["state"]
     full = recs[0]["full"]
     assert full.keys() == eager.keys()
@@ -114,27 +103,18 @@ def test_state_dicts_speak_the_original_keys_and_load_back(ranks, checkpoint, ba
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_under_fsdp2_trains_as_plain_peft_unsharded(ranks, checkpoint, backend):
-    recs = recorded(ranks, f"lora:{backend}")
+    recs = common.recorded(ranks, f"lora:{backend}")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     torch.manual_seed(0)
     ref = get_peft_model(model, LoraConfig(**LORA))
-    grads = {}
-
-    class FirstGrads(torch.optim.AdamW):
-        def step(self, *a, **k):
-            if not grads:
-                grads.update({n: p.grad.clone() for n, p in ref.named_parameters() if p.requires_grad})
-            return super().step(*a, **k)
-
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    losses = train(ref, [torch.tensor(b) for b in BATCHES], optimizer=FirstGrads(trainable, lr=LR))
+    theirs = common.reference(ref, BATCHES, LR)
+    losses, grads, trained = theirs["losses"], theirs["grads"], theirs["trained"]
     for rec in recs:
         assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rec["losses"], losses)), (rec["losses"], losses)
     ours = recs[0]
     assert ours["grads"].keys() == grads.keys() and any("mlp.gate_proj.lora_A" in k for k in grads)
     for k in grads:
         assert rel_err(ours["grads"][k], grads[k]) < 1e-5, k
-    trained = {n: p.detach() for n, p in ref.named_parameters() if p.requires_grad}
     for k in trained:
         assert rel_err(ours["trained"][k], trained[k]) < 1e-4, k
     base = ref.base_model.model.model.layers[0].mlp
