@@ -1,93 +1,97 @@
 """One rank of the MoE FSDP2 test: ``torchrun --standalone --nproc-per-node 2 fsdp2_moe_worker.py CASE OUT``.
 
-CASE is a JSON file {"path": a tiny MoE checkpoint saved by plain transformers, "backends": [...],
-"batches": token ids [steps, batch, seq], "lr": AdamW's learning rate}. For each backend this rank
-loads the checkpoint (fp32), patches it (`apply_fused_mlp`: the experts switched to the fused
-kernels), shards every decoder layer and then the model with `fully_shard` (gloo, CPU), and
-records without judging: the first experts module's ``gate_up_proj`` layout before, inside (a
-pre-hook on the experts module) and after a forward; per AdamW step on this rank's half of the
-batch, the global loss (the mean of the ranks'); every parameter's full gradient after the first
-backward (rank 0); and the trained full state dict (rank 0).
+CASE (a tiny MoE checkpoint, plus "probe": token ids [batch, seq]), the sharded model, the
+training loop and OUT/rank{r}.pt are `fsdp2_common`'s. For each backend this rank shards the
+patched checkpoint (`apply_fused_mlp`: the experts switched to the fused kernels) and records
+without judging: how many experts modules were switched; the first experts module's
+``gate_up_proj`` layout before, inside (a pre-hook on the experts module) and after a forward;
+per AdamW step the global loss; every parameter's full gradient after the first backward and the
+trained full state dict (rank 0).
 
-Writes OUT/rank{r}.pt: {backend: record or {"exception": traceback}}.
+With CASE's "lora" (on the experts' 3-D weights, PEFT's `target_parameters`, and on attention),
+"lora:<backend>": PEFT on the patched checkpoint, sharded the same way, trained on the adapters
+while PEFT's ways of building W + s*B@A raise (`moe.test_experts_peft.never_materialized`):
+
+- "adapter_layout": the first experts module's gate_up_proj lora_A weight's layout before training;
+- "fused": per experts forward, whether `experts_lora.bound_low_rank` handed the fused experts
+  PEFT's adapters;
+- the global losses, the adapters' full gradients after the first backward, the trained adapters
+  and the frozen experts weights;
+- "logits" (rank 0): the trained model's on CASE's probe, in eval mode; and the adapters saved by
+  ``save_pretrained`` of the gathered state dict (rank 0), in OUT/adapter_<backend>.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
+import contextlib
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports triton
+import fsdp2_common as common
+import torch
+import torch.distributed as dist
+from fsdp2_common import FULL, layout, plain
+from moe.test_experts_peft import never_materialized
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from swiglu_patch import apply_fused_mlp  # noqa: E402
-
-
-def layout(t) -> tuple:
-    """(class, placements, local shape, global shape) of a parameter."""
-    return (type(t).__name__, tuple(map(repr, t.placements)) if isinstance(t, DTensor) else None,
-            tuple(t.to_local().shape) if isinstance(t, DTensor) else tuple(t.shape), tuple(t.shape))
+from swiglu_patch import experts_lora
+from swiglu_patch.experts import is_switched
 
 
-def run(case: dict, backend: str) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(case["path"], dtype=torch.float32)
-    report = apply_fused_mlp(model, backend=backend)
-    rec = {"experts_fused": len(report.experts)}
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.train()
+def run(case: dict, backend: str, out: Path) -> dict:
+    model = common.sharded(case, backend)
     experts = model.model.layers[0].mlp.experts
-    rec["before"] = layout(experts.gate_up_proj)
+    rec = {"experts_fused": sum(map(is_switched, model.modules())),
+           "before": layout(experts.gate_up_proj)}
     inside = []
     handle = experts.register_forward_pre_hook(lambda m, args: inside.append(layout(m.gate_up_proj)))
-    opt = torch.optim.AdamW(model.parameters(), lr=case["lr"])
-    rec["losses"] = []
-    for step, batch in enumerate(case["batches"]):
-        ids = torch.tensor(batch).chunk(world)[rank]
-        loss = model(input_ids=ids, labels=ids).loss
-        if step == 0:
-            rec["inside"], rec["after"] = inside[0], layout(experts.gate_up_proj)
-            handle.remove()
-        loss.backward()
-        if step == 0:
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            if rank == 0:
-                rec["grads"] = grads
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        rec["losses"].append(total.item() / world)
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in full.items()}
-    if rank == 0:
-        rec["state"] = full
+
+    def after_first_forward():
+        rec.update(inside=inside[0], after=layout(experts.gate_up_proj))
+        handle.remove()
+
+    rec |= common.train(model, case, after_first_forward)
+    state = plain(get_model_state_dict(model, options=FULL))  # on every rank: a collective
+    if dist.get_rank() == 0:
+        rec["state"] = state
     return rec
 
 
-def main() -> None:
-    case, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    results = {}
-    for backend in case["backends"]:
-        try:
-            results[backend] = run(case, backend)
-        except Exception:  # noqa: BLE001 - recorded for the test to report
-            results[backend] = {"exception": traceback.format_exc()}
-    torch.save(results, out / f"rank{dist.get_rank()}.pt")
-    dist.destroy_process_group()
+@contextlib.contextmanager
+def bound_adapters(calls: list):
+    """Appends to `calls`, per fused experts forward, whether PEFT's adapters were bound to it."""
+    original = experts_lora.bound_low_rank
+
+    def spy(module, dtype):
+        low_rank = original(module, dtype)
+        calls.append(low_rank is not None)
+        return low_rank
+
+    experts_lora.bound_low_rank = spy
+    try:
+        yield
+    finally:
+        experts_lora.bound_low_rank = original
+
+
+def run_lora(case: dict, backend: str, out: Path) -> dict:
+    model = common.sharded(case, backend, lora=True)
+    wrapper = common.base_of(model).model.layers[0].mlp.experts  # PEFT's ParamWrapper (down_proj's, then gate_up_proj's)
+    gate_up_a = wrapper.base_layer.lora_A["default"].weight
+    rec = {"adapter_layout": layout(gate_up_a), "fused": []}
+    with never_materialized(), bound_adapters(rec["fused"]):
+        rec |= common.train(model, case)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(case["probe"])).logits
+    rec["trained"] = plain(common.trainable(model))
+    experts = wrapper.get_base_layer()
+    rec["frozen"] = plain({name: getattr(experts, name) for name in experts_lora.ADAPTED})
+    state = plain(get_model_state_dict(model, options=FULL))
+    if dist.get_rank() == 0:
+        rec["logits"] = logits
+        model.save_pretrained(out / f"adapter_{backend}", state_dict=state)
+    return rec
 
 
 if __name__ == "__main__":
-    main()
+    common.main(run, run_lora)
