@@ -3,7 +3,7 @@
     python -m benchmarks.bench_moe_train --out OUT [--shapes qwen3-30b-a3b olmoe-1b-7b] [--tokens 4096 16384]
     python -m benchmarks.bench_moe_train --dry-run --out /tmp/moe_train    # CPU, tiny shape, fp32
     python -m benchmarks.bench_moe_train --render OUT/results.json          # markdown only
-    python -m benchmarks.bench_moe_train --out OUT --sweep-only --sweep-configs w4 b64 --budget-s 420
+    python -m benchmarks.bench_moe_train --out OUT --sweep-only --sweep-configs w4 dh64 --budget-s 420
 
 The experts module of a real model's shape as transformers builds it (`bench_moe.build_experts`:
 random bf16 weights from one seed, uniform routing), its parameters, x and the routing weights
@@ -93,27 +93,26 @@ def flops(shape: MoEShape, tokens: int) -> float:
     return 18.0 * tokens * shape.top_k * shape.k * shape.i
 
 
-SWEEP_NAMES = ("rule", "dh128_dxk128", "w4", "wg64x128_s4", "wg128x64_s4", "b64", "dx256", "dh128x128_s2", "s4",
-               "b64_w8", "wg128x256_s2", "dh128_wg128x256_s2")
+SWEEP_NAMES = ("rule", "untuned", "dh_s3", "dh64", "wg256x128", "w4")
 
 
 def sweep_configs() -> dict:
-    """Candidate configs of our backward that --sweep times, by `SWEEP_NAMES` name (the rule's first: None)."""
+    """Candidate configs of our backward that --sweep times, by `SWEEP_NAMES` name (the rule's first: None):
+    the planner's 128-row rule for GPUs it has no tuned rule for ("untuned"), and the Hopper rule with one
+    choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps)."""
+    from dataclasses import replace
+
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
 
+    hopper = C(128, 128, 64, 128, 64, 128, 256, num_warps=8, num_stages=3, dh_num_stages=4, wgrad_num_stages=2,
+               smem_budget_kib=224)
     return {
         "rule": None,
-        "dh128_dxk128": C(128, 128, 64, 128, 128, 128, 128, num_warps=8, num_stages=3),
-        "w4": C(128, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
-        "wg64x128_s4": C(128, 64, 64, 128, 64, 64, 128, num_warps=4, num_stages=4),
-        "wg128x64_s4": C(128, 64, 64, 128, 64, 128, 64, num_warps=8, num_stages=4),
-        "b64": C(64, 64, 64, 128, 64, 128, 128, num_warps=4, num_stages=3),
-        "dx256": C(128, 64, 64, 256, 64, 128, 128, num_warps=8, num_stages=3),
-        "dh128x128_s2": C(128, 128, 128, 128, 64, 128, 128, num_warps=8, num_stages=2),
-        "s4": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=4),
-        "b64_w8": C(64, 128, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
-        "wg128x256_s2": C(128, 64, 64, 128, 64, 128, 256, num_warps=8, num_stages=2),
-        "dh128_wg128x256_s2": C(128, 128, 64, 128, 64, 128, 256, num_warps=8, num_stages=2),
+        "untuned": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
+        "dh_s3": replace(hopper, dh_num_stages=3),
+        "dh64": replace(hopper, block_n=64),
+        "wg256x128": replace(hopper, wgrad_block_a=256, wgrad_block_b=128),
+        "w4": replace(hopper, num_warps=4),
     }
 
 
@@ -166,27 +165,33 @@ def sweep_row(module, x, idx, w, dout, names: list[str], timer, over_budget, flu
         times = {"rule": None, name: None} if timer is None else timer.many({"rule": rule, name: fn})
         ms = {k: None if v is None else v * 1e3 for k, v in times.items()}
         out["configs"][name] = {"ms": ms[name], "rule_ms": ms["rule"], "max_rel_diff_vs_rule": diff,
-                                "config": vars(configs[name]), "kernels_us": None if timer is None else profile_of(fn)}
+                                "config": vars(configs[name]),
+                                "kernels_us": None if timer is None else profile_of(fn, calls=5),
+                                "rule_kernels_us": None if timer is None else profile_of(rule, calls=5)}
         print(f"  sweep {name}: {_fmt(ms[name], '.2f')} ms (rule {_fmt(ms['rule'], '.2f')}), diff vs rule "
               f"{diff:.1e}", flush=True)
         flush()
 
 
-def profile_of(step) -> list:
-    """[kernel name, CUDA microseconds] of each kernel one call of `step` launches, in launch order."""
+def profile_of(step, calls: int = 1) -> list:
+    """[kernel name, CUDA microseconds] of each kernel one call of `step` launches, in launch order: the mean
+    over `calls` profiled calls."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        for _ in range(calls):
+            step()
         torch.cuda.synchronize()
     kernels = []
     for e in prof.events():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us and e.device_type.name == "CUDA":
-            kernels.append([e.name[:60], round(float(us), 1)])
-    return kernels
+            kernels.append([e.name[:60], float(us)])
+    per_call = len(kernels) // calls
+    return [[kernels[n][0], round(sum(kernels[n + c * per_call][1] for c in range(calls)) / calls, 1)]
+            for n in range(per_call)]
 
 
 def leaves_of(module, x, w) -> dict:
@@ -398,6 +403,32 @@ def _progress(shape: MoEShape, tokens: int, what: str) -> None:
     print(f"  [moe_train] {shape.name} T={tokens}: {what}", flush=True)
 
 
+def _stages(config: dict, key: str) -> str:
+    return "" if config.get(key) is None else f" s{config[key]}"
+
+
+BACKWARD_KERNELS = (("_experts_dh_kernel", "dH"), ("_experts_wgrad_kernel", "dWd"), ("_experts_wgrad_kernel", "dWgu"),
+                    ("_experts_dx_kernel", "dX"))
+
+
+def _kernel_cells(kernels: list | None, rule_kernels: list | None) -> str:
+    """"; dH 1321 (rule 1443) us, ..." from two `profile_of` lists (the weight-gradient kernel's first launch is
+    dW_down, its second dW_gate_up); "" where the rule's is not recorded."""
+    if not kernels or not rule_kernels:
+        return ""
+
+    def times(ks):
+        seen, out = {}, {}
+        for name, us in ks:
+            n = seen[name] = seen.get(name, -1) + 1
+            out[(name, n)] = us
+        return out
+    ours, rule = times(kernels), times(rule_kernels)
+    keys = [(k, sum(1 for kk, _ in BACKWARD_KERNELS[:n] if kk == k)) for n, (k, _) in enumerate(BACKWARD_KERNELS)]
+    return "; " + ", ".join(f"{label} {ours[key]:.0f} (rule {rule[key]:.0f})" for key, (_, label)
+                            in zip(keys, BACKWARD_KERNELS) if key in ours and key in rule) + " us"
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -443,8 +474,11 @@ def render_markdown(data: dict) -> str:
                     continue
                 ratio = None if v["ms"] is None or not v["rule_ms"] else v["ms"] / v["rule_ms"]
                 c = v["config"]
-                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}, dX {c['dx_block_n']}x{c['dx_block_k']}, "
-                         f"dW {c['wgrad_block_a']}x{c['wgrad_block_b']}, w{c['num_warps']} s{c['num_stages']}")
+                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}, "
+                         f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
+                         f"{_stages(c, 'wgrad_num_stages')}, w{c['num_warps']} s{c['num_stages']}"
+                         + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
+                         + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))
                 lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {_fmt(v['ms'], '.2f')} | "
                              f"{_fmt(v['rule_ms'], '.2f')} | {_fmt(ratio, '.3f')} | {v['max_rel_diff_vs_rule']:.1e} | "
                              f"{tiles} |")

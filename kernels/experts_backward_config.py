@@ -21,6 +21,11 @@ class ExpertsBackwardConfig:
             K_out x I; dW_gate_up: 2I x K).
         group_m: blocks that walk the column tiles together (L2 reuse).
         num_warps, num_stages: Triton's launch parameters.
+        dh_num_stages, wgrad_num_stages: the dH and the weight-gradient kernels' pipeline depth
+            (None: num_stages).
+        smem_budget_kib: the shared memory (KiB) a kernel's pipelined operand tiles may take; a
+            kernel's stages are cut to fit it (fp32 tiles take twice a 16-bit stage), and a
+            weight-gradient tile whose one stage would not fit is halved along its longer side.
     """
 
     block_m: int
@@ -33,8 +38,14 @@ class ExpertsBackwardConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    dh_num_stages: int | None = None
+    wgrad_num_stages: int | None = None
+    smem_budget_kib: int = 160
 
     def short(self) -> str:
-        """e.g. "128: dH 128x64, dX 128x64, dW 128x128, g8 w8 s3"."""
-        return (f"{self.block_m}: dH {self.block_n}x{self.block_k}, dX {self.dx_block_n}x{self.dx_block_k}, "
-                f"dW {self.wgrad_block_a}x{self.wgrad_block_b}, g{self.group_m} w{self.num_warps} s{self.num_stages}")
+        """e.g. "128: dH 128x64 s4, dX 128x64, dW 128x256 s2, g8 w8 s3, 224 KiB"."""
+        dh_s = "" if self.dh_num_stages is None else f" s{self.dh_num_stages}"
+        wg_s = "" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}"
+        return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
+                f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
+                f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -241,12 +241,26 @@ def _experts_dx_kernel(
 
 
 CAPABILITY = KernelCapability("experts_backward_grouped", ops=("experts_backward",))
-SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined operand tiles may take (H100: 227 KiB a block)
 
 
 def can_run(*tensors) -> bool:
     """Every call the planner makes: any device Triton runs on, any strides, any sizes."""
     return True
+
+
+def fit_wgrad_tile(block_m: int, block_a: int, block_b: int, size: int, stages: int, budget: int) -> tuple[int, int]:
+    """The weight-gradient kernels' output tile (a, b) for operands of `size` bytes: block_a x block_b
+    halved along its longer side until min(2, stages) stages of its operand tiles (block_m x (a + b)
+    elements each) fit `budget` bytes of shared memory, or a side reaches 16."""
+    a, b = block_a, block_b
+    while block_m * (a + b) * size * min(2, stages) > budget and max(a, b) > 16:
+        a, b = (a // 2, b) if a >= b else (a, b // 2)
+    return a, b
+
+
+def tiles_of(wgrad_launcher: FastLaunch, a_cols: int, b_cols: int) -> int:
+    """Output tiles per expert of a `_experts_wgrad_kernel` launcher over an a_cols x b_cols gradient."""
+    return ceil_div(a_cols, wgrad_launcher.constexprs["BLOCK_A"]) * ceil_div(b_cols, wgrad_launcher.constexprs["BLOCK_B"])
 
 
 def expert_ranges(block_expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,34 +290,49 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     bm = config.block_m
     lr_gu, lr_d = low_rank
 
-    def variants(kernel, stage_elems: int, **constexprs):
-        """Launchers per (tl.dot precision, element size): the pipeline's stages cut to fit
-        `SMEM_BUDGET` where a stage of `stage_elems` elements would not (fp32 tiles)."""
+    budget = config.smem_budget_kib * 1024
+
+    def variants(kernel, stage_elems: int, stages: int | None = None, **constexprs):
+        """Launchers per (tl.dot precision, element size): `stages` (None: the config's num_stages)
+        cut to fit the config's shared-memory budget where a stage of `stage_elems` elements would
+        not (fp32 tiles)."""
+        stages = config.num_stages if stages is None else stages
         return {(p, size): FastLaunch(kernel, dict(
             constexprs, INPUT_PRECISION=p, BLOCK_M=bm, num_warps=config.num_warps,
-            num_stages=max(1, min(config.num_stages, SMEM_BUDGET // (stage_elems * size)))))
+            num_stages=max(1, min(stages, budget // (stage_elems * size)))))
             for p in ("tf32", "ieee") for size in (2, 4)}
+
+    def wgrad_variants(block_a: int, block_b: int, **constexprs):
+        """`variants` of `_experts_wgrad_kernel` with output tile block_a x block_b, per element size
+        as `fit_wgrad_tile` cuts it."""
+        out = {}
+        stages = config.num_stages if config.wgrad_num_stages is None else config.wgrad_num_stages
+        for size in (2, 4):
+            a, b = fit_wgrad_tile(bm, block_a, block_b, size, stages, budget)
+            for key, launcher in variants(_experts_wgrad_kernel, bm * (a + b), stages, BLOCK_A=a, BLOCK_B=b,
+                                          **constexprs).items():
+                if key[1] == size:
+                    out[key] = launcher
+        return out
 
     bk, bn = config.block_k, config.block_n
     recompute = variants(_experts_gated_gemm_kernel, bm * bk + 2 * bk * bn, TOP_K=top_k, GATE_STEP=step,
                          HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
-    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
+    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
     ba, bb = config.wgrad_block_a, config.wgrad_block_b
-    wgrad = dict(TOP_K=top_k, HAS_BIAS=has_bias, BLOCK_A=ba, BLOCK_B=bb)
-    dwd = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True,
-                   **wgrad)
-    dwgu = variants(_experts_wgrad_kernel, bm * (ba + bb), A_BY_TOKEN=False, B_BY_TOKEN=True, BIAS_WEIGHTED=False,
-                    **wgrad)
+    dwd = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True)
+    dwgu = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=False, B_BY_TOKEN=True,
+                          BIAS_WEIGHTED=False)
     dxn, dxk = config.dx_block_n, config.dx_block_k
     dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
     def lr_wgrad(block_a: int, block_b: int, a_by_token: bool, b_by_token: bool):
-        return variants(_experts_wgrad_kernel, bm * (block_a + block_b), TOP_K=top_k, HAS_BIAS=False, BLOCK_A=block_a,
-                        BLOCK_B=block_b, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BIAS_WEIGHTED=False)
+        return wgrad_variants(block_a, block_b, TOP_K=top_k, HAS_BIAS=False, A_BY_TOKEN=a_by_token,
+                              B_BY_TOKEN=b_by_token, BIAS_WEIGHTED=False)
 
     if lr_gu:  # dA = dP_lr^T x, dB = dP^T x_lr; dP_lr = s dP @ B
         d_a_gu, d_b_gu = lr_wgrad(lr_gu, bb, False, True), lr_wgrad(ba, lr_gu, False, False)
@@ -360,8 +389,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         starts, ends = expert_ranges(block_expert, num_experts)
 
         def lr_grad(kernels, a, b, out):  # out[e] = sum over e's pairs a[row]^T b[row]
-            kernels[precision](num_experts * ceil_div(a.shape[1], kernels[precision].constexprs["BLOCK_A"])
-                               * ceil_div(b.shape[1], kernels[precision].constexprs["BLOCK_B"]), device,
+            kernels[precision](num_experts * tiles_of(kernels[precision], a.shape[1], b.shape[1]), device,
                                a, b, sorted_pairs, starts, ends, top_k_weights, out, out, num_pairs, a.shape[1],
                                b.shape[1], *a.stride(), *b.stride(), *top_k_weights.stride(), *out.stride(), 0, 0)
             return out
@@ -370,8 +398,8 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             ddown = torch.empty_like(down, memory_format=torch.contiguous_format)
             ddown_bias = x.new_empty((num_experts, k_out)) if has_bias else None
             db = ddown if ddown_bias is None else ddown_bias
-            dwd[precision](num_experts * ceil_div(k_out, config.wgrad_block_a) * ceil_div(inter, config.wgrad_block_b),
-                           device, dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
+            dwd[precision](num_experts * tiles_of(dwd[precision], k_out, inter), device,
+                           dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
                            num_pairs, k_out, inter, *dout.stride(), *hw.stride(), *top_k_weights.stride(),
                            *_down_strides(ddown, layout), db.stride(0), db.stride(1))
         if lr_d and need_ad:
@@ -384,8 +412,8 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
             dgate_up_bias = x.new_empty((num_experts, 2 * inter)) if has_bias else None
             db = dgate_up if dgate_up_bias is None else dgate_up_bias
-            dwgu[precision](num_experts * ceil_div(2 * inter, config.wgrad_block_a) * ceil_div(k, config.wgrad_block_b),
-                            device, dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
+            dwgu[precision](num_experts * tiles_of(dwgu[precision], 2 * inter, k), device,
+                            dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
                             num_pairs, 2 * inter, k, *dpre.stride(), *x.stride(), *top_k_weights.stride(),
                             *_gate_up_strides(dgate_up, layout), db.stride(0), db.stride(1))
         dp_lr = None

@@ -77,7 +77,7 @@ def test_sweep_only_checks_each_config_against_the_rule_and_flushes_after_each(t
         return real(ours, ref)
     monkeypatch.setattr(bench, "max_rel_diff", cut_after_first)
     with pytest.raises(KeyboardInterrupt):
-        main(["--dry-run", "--out", str(tmp_path), "--sweep-only", "--sweep-configs", "w4", "b64"])
+        main(["--dry-run", "--out", str(tmp_path), "--sweep-only", "--sweep-configs", "w4", "dh64"])
     kept = json.loads((tmp_path / "results.json").read_text())
     (row,) = kept["rows"]
     assert row["ways"] == {} and list(row["sweep"]["configs"]) == ["w4"]

@@ -19,6 +19,7 @@ from swiglu_patch.experts import set_experts_mode
 from swiglu_patch.kernels import dispatch
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward import GRADIENTS, experts_backward, experts_forward_with_preact
+from swiglu_patch.kernels.experts_backward_gemm import fit_wgrad_tile
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 from zoo.tiny_zoo import build
@@ -147,14 +148,35 @@ def test_routing_and_operand_edge_cases(case):
         assert torch.equal(grads[5][index >= e], torch.zeros_like(grads[5][index >= e]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rule", range(len(EXPERTS_BACKWARD_RULES)))
-def test_every_rule_tile(rule):
+def test_every_rule_tile(rule, dtype):
     layout = LAYOUTS[1]
-    w = _weights(3, 40, 24, layout, True, torch.float32)
-    x = torch.randn(11, 40).to(DEVICE)
+    w = _weights(3, 40, 24, layout, True, dtype)
+    x = torch.randn(11, 40).to(DEVICE, dtype)
     index, weights = _routing(11, 3, 2)
-    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.float32, store=False,
+    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, dtype, store=False,
            kernel="experts_backward_grouped", config=EXPERTS_BACKWARD_RULES[rule].config)
+
+
+@pytest.mark.parametrize("rule", EXPERTS_BACKWARD_RULES, ids=lambda r: r.config.short())
+def test_every_rule_fits_its_shared_memory_budget(rule):
+    """Each kernel's pipelined operand tiles, at the stages it launches with, fit the rule's budget for 16-bit
+    and fp32 operands (fp32 halves the dH and dX block_k, as the planner does, and cuts the weight-gradient tile)."""
+    c = rule.config
+    budget = c.smem_budget_kib * 1024
+    for size in (2, 4):
+        bk = c.block_k if size == 2 else max(16, c.block_k // 2)
+        dx_k = c.dx_block_k if size == 2 else max(16, c.dx_block_k // 2)
+        stages = c.num_stages if c.wgrad_num_stages is None else c.wgrad_num_stages
+        a, b = fit_wgrad_tile(c.block_m, c.wgrad_block_a, c.wgrad_block_b, size, stages, budget)
+        assert (a, b) == (c.wgrad_block_a, c.wgrad_block_b) or size == 4  # 16-bit runs the rule's tile
+        launched_stages = max(1, min(stages, budget // (c.block_m * (a + b) * size)))
+        assert launched_stages * c.block_m * (a + b) * size <= budget
+        assert launched_stages >= min(2, stages)
+        dh_stages = c.num_stages if c.dh_num_stages is None else c.dh_num_stages
+        assert min(dh_stages, budget // ((c.block_m * bk + bk * c.block_n) * size)) >= 2
+        assert min(c.num_stages, budget // ((c.block_m * dx_k + dx_k * c.dx_block_n) * size)) >= 2
 
 
 def test_only_the_gradients_asked_for_and_the_routing_weights_dtype():
@@ -177,7 +199,10 @@ def test_only_the_gradients_asked_for_and_the_routing_weights_dtype():
 
 def test_the_planner_names_the_backward_rule():
     text = dispatch.explain("NVIDIA H100 80GB HBM3", torch.bfloat16, 16384, 2048, 768, op="experts_backward")
-    assert "experts_backward_grouped CHOSEN" in text and "not yet timed" in text
+    assert "experts_backward_grouped CHOSEN" in text and "on Hopper" in text
+    hopper = dispatch.choose("NVIDIA H100 80GB HBM3", torch.bfloat16, 16384, 2048, 768, op="experts_backward")[1]
+    other = dispatch.choose("NVIDIA A100-SXM4-80GB", torch.bfloat16, 16384, 2048, 768, op="experts_backward")[1]
+    assert hopper.gpus and hopper.config.smem_budget_kib > 200 and not other.gpus and other.m == hopper.m
     assert dispatch.choose("cpu", torch.float32, 3, 40, 24, op="experts_backward")[1] is EXPERTS_BACKWARD_RULES[0]
 
 
