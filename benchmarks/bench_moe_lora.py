@@ -37,8 +37,8 @@ from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
-from .bench_moe_train import memory_of, step_fn
 from .harness.cli import Parser, guarded, render_or_run, require_device, write_json
+from .harness.fwd_bwd import grad_errors, memory_of, step_fn
 
 PROG = "python -m benchmarks.bench_moe_lora"
 SCHEMA = 1
@@ -178,8 +178,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"  [moe_lora] {shape.name} T={tokens}: {name}: first call, errors, memory", flush=True)
                 try:
                     built = deltas_built(step)
-                    errors = {k: float((t.grad.double() - ref[k]).norm() / ref[k].norm().clamp_min(1e-30))
-                              for k, t in leaves.items()}
+                    errors = grad_errors(leaves, ref)
                     row["ways"][name] = {"errors": errors, "max_error": max(errors.values()),
                                          "deltas_built": built, **memory_of(fn, leaves, dout)}
                     steps[name] = step

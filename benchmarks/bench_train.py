@@ -15,7 +15,8 @@ the rest run:
    interleaved in rounds, grads set to None before every step as a Trainer's zero_grad does),
    saved MiB (memory allocated after the forward, less the output, above what was allocated
    before: inputs and weights excluded), peak MiB (max allocated during forward + backward above
-   the same base: the weight gradients count), ratios to HF eager, and the targets per row.
+   the same base: the weight gradients count; the step and both memories: `harness/fwd_bwd.py`),
+   ratios to HF eager, and the targets per row.
 3. parts: each kernel and GEMM of our forward and backward alone, through the public entry
    points (`gated_gemm`, `gated_gemm_with_preact`, `gated_backward`), against the cuBLAS GEMM
    of the same shape (what the fused epilogues cost); skipped past --budget-s.
@@ -35,6 +36,7 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import dataclasses
+import functools
 import gc
 import time
 import traceback
@@ -42,12 +44,12 @@ from pathlib import Path
 
 from .harness.accuracy import rel_error
 from .harness.cli import Parser, guarded, require_device, write_json
+from .harness.fwd_bwd import MIB, memory_of, step_fn
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
 from .harness.train_mlps import eager_module, liger_modules, ours_module
 
 PROG = "python -m benchmarks.bench_train"
-MIB = 2**20
 EPS = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
 GRADS = ("y", "dx", "dW_gate_up", "db_gate_up", "dW_down", "db_down")
 
@@ -81,7 +83,7 @@ DRY_CHECKS = [("tiny", 33, 64, 96, "float16", {"activation": "silu"}, True, 1.0)
               ("tiny clamp", 7, 40, 37, "float32", {"activation": "gelu_tanh", "limit": 2.0}, True, 4.0)]
 
 
-# -- memory --------------------------------------------------------------------------------
+# -- cleanup -------------------------------------------------------------------------------
 
 
 def _free(device):
@@ -91,29 +93,6 @@ def _free(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def memory_of(module, x, dy, device) -> dict:
-    """saved and peak MiB of one forward + backward (see the module docstring)."""
-    import torch
-
-    if device.type != "cuda":
-        return {"saved_mib": None, "peak_mib": None}
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-    _free(device)
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    y = module(x)
-    torch.cuda.synchronize()
-    saved = torch.cuda.memory_allocated() - base - y.numel() * y.element_size()
-    y.backward(dy)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del y
-    module.zero_grad(set_to_none=True)
-    x.grad = None
-    return {"saved_mib": saved / MIB, "peak_mib": peak / MIB}
 
 
 # -- 1. correctness --------------------------------------------------------------------------
@@ -224,14 +203,6 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
 # -- 2. the table --------------------------------------------------------------------------
 
 
-def _step(module, x, dy):
-    def step():
-        module.zero_grad(set_to_none=True)
-        x.grad = None
-        module(x).backward(dy)
-    return step
-
-
 def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
     """Every way's fwd + bwd time, saved and peak memory on one row, and the targets."""
     import torch
@@ -250,10 +221,11 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
             results[name] = {"error": module}
             continue
         try:
+            fwd, leaves = functools.partial(module, x), {**dict(module.named_parameters()), "x": x}
             t0 = time.time()
-            _step(module, x, dy)()  # compiles, autotunes
-            results[name] = memory_of(module, x, dy, device) | {"first_step_s": time.time() - t0}
-            steps[name] = _step(module, x, dy)
+            step_fn(fwd, leaves, dy)()  # compiles, autotunes
+            results[name] = memory_of(fwd, leaves, dy) | {"first_step_s": time.time() - t0}
+            steps[name] = step_fn(fwd, leaves, dy)
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()

@@ -12,6 +12,8 @@ on its own, and nothing here imports a top-level benchmark.
   through the public kernel entry points, with their float64 checks;
 - `sweep_candidates`: the candidates (kernel name, config) of each `tune` sweep;
 - `train_mlps`: the MLP modules `bench_train` trains (HF's class, `gated_mlp` in both modes, Liger's);
+- `fwd_bwd`: one forward + backward of a way as a training step, its saved and peak memory, and
+  its gradients' errors against float64;
 - `host_time`: host time per call from an idle GPU, and rounds of eager-vs-patched turns;
 - `roofline`: the floor a gated GEMM cannot beat, and the measured peaks it is built from;
 - `report_mlp`: `bench_mlp`'s markdown and PNG, pure functions of its JSON;

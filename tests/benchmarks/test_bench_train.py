@@ -1,5 +1,6 @@
 """benchmarks/bench_train.py: the targets' verdicts by hand, the whole script on CPU (--dry-run), its
-one-line errors, and its module of ours (harness/train_mlps.py) against HF eager on the same weights."""
+one-line errors, its module of ours (harness/train_mlps.py) against HF eager on the same weights, and
+the training step it times (harness/fwd_bwd.py)."""
 
 import json
 
@@ -83,3 +84,23 @@ def test_ours_module_trains_like_hf_eager_on_its_weights(act):
         torch.testing.assert_close(xo.grad, xe.grad, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.gate_up_interleaved.grad, want_dw, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.down.grad, eager.down_proj.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_clears_the_gradients_and_the_errors_see_a_wrong_one():
+    import torch
+
+    from benchmarks.harness.fwd_bwd import grad_errors, memory_of, step_fn
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 4, generator=gen).requires_grad_()
+    x = torch.randn(3, 4, generator=gen).requires_grad_()
+    dout = torch.randn(3, 8, generator=gen)
+    leaves = {"w": w, "x": x}
+    ref = {"w": (dout.T @ x).detach().double(), "x": (dout @ w).detach().double()}
+    step = step_fn(lambda: x @ w.T, leaves, dout)
+    step()
+    step()  # a second step replaces the gradients, as a Trainer's zero_grad(set_to_none=True) makes it
+    assert max(grad_errors(leaves, ref).values()) < 1e-6
+    w.grad[0].mul_(1.01)
+    assert 1e-4 < grad_errors(leaves, ref)["w"] < 1e-2
+    assert memory_of(lambda: x @ w.T, leaves, dout) == {"saved_mib": None, "peak_mib": None}  # CUDA only
