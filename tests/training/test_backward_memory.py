@@ -14,12 +14,17 @@ Counts in elements (M tokens, K hidden, I intermediate), derived in docs/trainin
 - Liger's `LigerSwiGLUMLP` (three nn.Linear, `LigerSiLUMulFunction` saving gate and up and writing
   their gradients over them): max(4MI + IK + MK at down_proj's backward, MI + 3IK + 3MK at up_proj's).
 
-So ours <= Liger's iff M >= 2IK / (2I - K), and at M = K ours is MK (dx) above it.
+So ours <= Liger's iff M >= 2IK / (2I - K), and at M = K ours is MK (dx) above it. On CUDA the
+same counts are checked against the caching allocator's ``max_memory_allocated`` with the kernels
+(and Liger's own module where it is installed).
 """
+
+import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import CUDA
 from memory.live_tensors import LiveTensors
 
 from swiglu_patch.kernels.epilogue import GatedEpilogue
@@ -115,3 +120,50 @@ def test_ours_against_liger_style():
     """At M = K ours is dx (M*K) above the Liger-style peak; past 2IK / (2I - K) it is at or below."""
     assert peak_elements(64, "ours") - peak_elements(64, "liger") == 64 * K
     assert peak_elements(128, "ours") <= peak_elements(128, "liger")
+
+
+def cuda_peak_mib(module, m, k):
+    """(peak MiB above the inputs, as bench_train reads it) of module's forward + backward, bf16."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    module(x).backward(dy)  # warm-up: compiles, cuBLAS's workspace
+    for t in (x, *module.parameters()):
+        t.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    y = module(x)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    del y
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+@pytest.mark.skipif(not CUDA, reason="the caching allocator's peak needs CUDA (the CPU count is above)")
+@pytest.mark.parametrize("way", ["store", "recompute", "liger"])
+@pytest.mark.parametrize("m", [512, 1024, 2048])
+def test_cuda_peak_is_the_count(way, m):
+    """Within 1 MiB over the count (Triton's and cuBLAS's small scratch); one [M, I] more is 3.5+ MiB."""
+    k, i = 1024, 3584
+    if way == "liger":
+        if importlib.util.find_spec("liger_kernel") is None:
+            pytest.skip("liger-kernel is not installed")
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+        from transformers import LlamaConfig
+
+        module = LigerSwiGLUMLP(LlamaConfig(hidden_size=k, intermediate_size=i, hidden_act="silu"))
+        module, count = module.to("cuda", torch.bfloat16), liger_count(m, k, i)
+    else:
+
+        class Ours(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.randn(2 * i, k, device="cuda", dtype=torch.bfloat16) / k**0.5)
+                self.wd = torch.nn.Parameter(torch.randn(k, i, device="cuda", dtype=torch.bfloat16) / i**0.5)
+
+            def forward(self, x):
+                return gated_mlp_interleaved(x, self.w, None, self.wd, None, GatedEpilogue("silu"), way)
+
+        module, count = Ours(), ours_count(m, k, i, way)
+    peak = cuda_peak_mib(module, m, k)
+    assert count * 2 / 2**20 <= peak <= count * 2 / 2**20 + 1, (peak, count * 2 / 2**20)
