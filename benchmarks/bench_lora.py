@@ -44,6 +44,7 @@ from torch import nn
 from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
+from .harness.accuracy import rel_error
 from .harness.cli import Parser, guarded, render_or_run, require_cuda
 from .harness.shapes import SHAPES
 
@@ -135,27 +136,21 @@ def _infer_call(holder, x):
     return call
 
 
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def check_way(holder, ref64, x, dy) -> dict:
     """{quantity: relative error against float64} of y, dx and every adapter gradient."""
     def run(h, xx, dd):
         xx = xx.detach().clone().requires_grad_()
-        for p in h.parameters():
-            p.grad = None
+        h.zero_grad(set_to_none=True)
         y = h.mlp(xx)
         torch.autograd.backward(y, dd)
         return y.detach(), xx.grad, adapter_grads(h)
 
     y, dx, grads = run(holder, x, dy)
     y64, dx64, grads64 = run(ref64, x.double(), dy.double())
-    errs = {"y": rel_err(y, y64), "dx": rel_err(dx, dx64)}
+    errs = {"y": rel_error(y, y64), "dx": rel_error(dx, dx64)}
     if grads:
-        errs["adapters"] = max(rel_err(grads[n], grads64[n]) for n in grads64)
-    for p in holder.parameters():
-        p.grad = None
+        errs["adapters"] = max(rel_error(grads[n], grads64[n]) for n in grads64)
+    holder.zero_grad(set_to_none=True)
     return errs
 
 
@@ -216,8 +211,7 @@ def run(args: argparse.Namespace) -> dict:
                     f"{w} {v['us']:.0f} us" for w, v in row["ways"].items()) + (
                     f"; errors {row['errors']}" if "errors" in row else ""), flush=True)
                 for h in holders.values():
-                    for p in h.parameters():
-                        p.grad = None
+                    h.zero_grad(set_to_none=True)
         del holders, ref64
     return {"schema": SCHEMA, "kind": "bench_lora", "env": environment(device, args.commit),
             "shape": {"name": shape.name, "label": f"tiny K={k}, I={i} (dry run)" if args.dry_run else shape.label,
