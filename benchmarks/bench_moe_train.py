@@ -38,7 +38,6 @@ and OUT/results.md.
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -50,13 +49,13 @@ from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, MoEShape, build_experts, routing
 from .harness.cli import Parser, guarded, render_or_run, require_device, write_json
+from .harness.fwd_bwd import grad_errors, memory_of, step_fn
+from .harness.report_moe_train import GRADS, KERNEL_PRODUCTS, fmt, render_markdown
 
 PROG = "python -m benchmarks.bench_moe_train"
 SCHEMA = 1
 WAYS = ("ours_store", "ours_recompute", "grouped_mm", "liger", "eager")
 SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b")
-GRADS = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-MIB = 2**20
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -168,7 +167,7 @@ def sweep_row(module, x, idx, w, dout, names: list[str], timer, over_budget, flu
                                 "config": vars(configs[name]),
                                 "kernels_us": None if timer is None else profile_of(fn, calls=5),
                                 "rule_kernels_us": None if timer is None else profile_of(rule, calls=5)}
-        print(f"  sweep {name}: {_fmt(ms[name], '.2f')} ms (rule {_fmt(ms['rule'], '.2f')}), diff vs rule "
+        print(f"  sweep {name}: {fmt(ms[name], '.2f')} ms (rule {fmt(ms['rule'], '.2f')}), diff vs rule "
               f"{diff:.1e}", flush=True)
         flush()
 
@@ -230,13 +229,20 @@ def way_fn(name: str, module, x, idx, w):
     return call
 
 
-def step_fn(fn, leaves: dict, dout):
-    """One training step of a way: gradients cleared, forward, backward."""
-    def step():
-        for t in leaves.values():
-            t.grad = None
-        fn().backward(dout)
-    return step
+def cublas_ceilings(shape: MoEShape, tokens: int, device, dtype, timer) -> dict[str, float]:
+    """Microseconds of torch.bmm for each of `KERNEL_PRODUCTS` with every expert given T k / E rows,
+    contiguous (no gather, no epilogue): what cuBLAS takes for the same FLOPs, timed by `timer`."""
+    rows = tokens * shape.top_k // shape.experts
+    fns, keep = {}, []
+    for name, (_, product) in KERNEL_PRODUCTS.items():
+        m, k, n, a_t = product(shape, rows)
+        a = torch.randn(shape.experts, *((k, m) if a_t else (m, k)), device=device, dtype=dtype)
+        b = torch.randn(shape.experts, k, n, device=device, dtype=dtype)
+        a = a.transpose(1, 2) if a_t else a
+        keep.append((a, b))
+        fns[name] = lambda a=a, b=b: torch.bmm(a, b)
+    times = timer.many(fns)
+    return {name: round(seconds * 1e6, 1) for name, seconds in times.items()}
 
 
 def reference_grads(module, x, idx, w, dout) -> dict:
@@ -255,30 +261,7 @@ def reference_grads(module, x, idx, w, dout) -> dict:
 def errors_of(step, leaves: dict, ref: dict) -> dict:
     """Relative error of each gradient of one step against the float64 reference."""
     step()
-    return {k: float((t.grad.double() - ref[k]).norm() / ref[k].norm().clamp_min(1e-30)) for k, t in leaves.items()}
-
-
-def memory_of(fn, leaves: dict, dout) -> dict:
-    """saved MiB (allocated after the forward, less the output) and peak MiB above the start, on CUDA."""
-    if not dout.is_cuda:
-        return {"saved_mib": None, "peak_mib": None}
-    for t in leaves.values():
-        t.grad = None
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    saved = torch.cuda.memory_allocated() - base - out.numel() * out.element_size()
-    out.backward(dout)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    for t in leaves.values():
-        t.grad = None
-    return {"saved_mib": saved / MIB, "peak_mib": peak / MIB}
+    return grad_errors(leaves, ref)
 
 
 def targets(ways: dict) -> dict:
@@ -392,7 +375,8 @@ def measure_ways(row: dict, args, shape: MoEShape, module, x, idx, w, dout, time
         for name, seconds in times.items():
             row["ways"][name].update(ms=seconds * 1e3, tflops=row["flops"] / seconds / 1e12)
         if args.profile:
-            row["profile_us"] = {name: profile_of(steps[name]) for name in steps if name.startswith("ours")}
+            row["profile_us"] = {name: profile_of(steps[name], calls=5) for name in steps if name.startswith("ours")}
+            row["cublas_us"] = cublas_ceilings(shape, tokens, dout.device, dout.dtype, timer)
         flush()
     for t in leaves.values():
         t.grad = None
@@ -403,95 +387,12 @@ def _progress(shape: MoEShape, tokens: int, what: str) -> None:
     print(f"  [moe_train] {shape.name} T={tokens}: {what}", flush=True)
 
 
-def _stages(config: dict, key: str) -> str:
-    return "" if config.get(key) is None else f" s{config[key]}"
-
-
-BACKWARD_KERNELS = (("_experts_dh_kernel", "dH"), ("_experts_wgrad_kernel", "dWd"), ("_experts_wgrad_kernel", "dWgu"),
-                    ("_experts_dx_kernel", "dX"))
-
-
-def _kernel_cells(kernels: list | None, rule_kernels: list | None) -> str:
-    """"; dH 1321 (rule 1443) us, ..." from two `profile_of` lists (the weight-gradient kernel's first launch is
-    dW_down, its second dW_gate_up); "" where the rule's is not recorded."""
-    if not kernels or not rule_kernels:
-        return ""
-
-    def times(ks):
-        seen, out = {}, {}
-        for name, us in ks:
-            n = seen[name] = seen.get(name, -1) + 1
-            out[(name, n)] = us
-        return out
-    ours, rule = times(kernels), times(rule_kernels)
-    keys = [(k, sum(1 for kk, _ in BACKWARD_KERNELS[:n] if kk == k)) for n, (k, _) in enumerate(BACKWARD_KERNELS)]
-    return "; " + ", ".join(f"{label} {ours[key]:.0f} (rule {rule[key]:.0f})" for key, (_, label)
-                            in zip(keys, BACKWARD_KERNELS) if key in ours and key in rule) + " us"
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _line(row: dict) -> str:
-    sweep = " ".join(f"{k}={_fmt(v.get('ms'), '.2f')}" for k, v in row.get("sweep", {}).get("configs", {}).items())
-    parts = [f"{k}: {_fmt(v.get('ms'), '.2f')} ms {_fmt(v.get('tflops'), '.0f')} TF/s saved "
-             f"{_fmt(v.get('saved_mib'), '.0f')} MiB err {_fmt(v.get('max_error'), '.1e')}" if "error" not in v
+    sweep = " ".join(f"{k}={fmt(v.get('ms'), '.2f')}" for k, v in row.get("sweep", {}).get("configs", {}).items())
+    parts = [f"{k}: {fmt(v.get('ms'), '.2f')} ms {fmt(v.get('tflops'), '.0f')} TF/s saved "
+             f"{fmt(v.get('saved_mib'), '.0f')} MiB err {fmt(v.get('max_error'), '.1e')}" if "error" not in v
              else f"{k}: {v['error']}" for k, v in row["ways"].items()]
     return f"{row['shape']} T={row['tokens']}: " + " | ".join(parts) + (f" | sweep ms {sweep}" if sweep else "")
-
-
-def render_markdown(data: dict) -> str:
-    env = data["environment"]
-    gpu, versions = env.get("gpu") or {}, env.get("versions") or {}
-    lines = ["# MoE experts block, training (forward + backward)", "",
-             f"GPU: {gpu.get('name')}; torch {versions.get('torch')}, triton {versions.get('triton')}, transformers "
-             f"{versions.get('transformers')}, liger-kernel {versions.get('liger-kernel')}; {data['dtype']}; commit "
-             f"{(env.get('git') or {}).get('commit')}.", f"Timer: {data.get('timer')}.", "",
-             "TFLOP/s counts 18*T*k*K*I. saved: MiB allocated after the forward, less the output. peak: MiB above "
-             "the start during forward + backward. err: the largest relative error of any gradient against float64.",
-             "", "| shape | T | way | fwd+bwd ms | TFLOP/s | saved MiB | peak MiB | err | " + " | ".join(
-                 f"err d{g}" for g in GRADS[:4]) + " |", "|---|---:|---|---:|---:|---:|---:|---:|" + "---:|" * 4]
-    for r in data["rows"]:
-        for name, v in r["ways"].items():
-            if "error" in v:
-                lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {v['error']} |" + " |" * 11)
-                continue
-            errs = v.get("errors", {})
-            lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {_fmt(v.get('ms'), '.2f')} | "
-                         f"{_fmt(v.get('tflops'), '.0f')} | {_fmt(v.get('saved_mib'), '.0f')} | "
-                         f"{_fmt(v.get('peak_mib'), '.0f')} | {_fmt(v.get('max_error'), '.1e')} | "
-                         + " | ".join(_fmt(errs.get(g), ".1e") for g in GRADS[:4]) + " |")
-    sweeps = [r for r in data["rows"] if r.get("sweep")]
-    if sweeps:
-        lines += ["", "## Our backward alone (recompute mode) per config, each timed beside the rule's", "",
-                  "| shape | T | config | ms | rule's ms | config / rule | max rel. diff vs rule | tiles |",
-                  "|---|---:|---|---:|---:|---:|---:|---|"]
-        for r in sweeps:
-            for name, v in r["sweep"]["configs"].items():
-                if "error" in v:
-                    lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {v['error']} | | | | |")
-                    continue
-                ratio = None if v["ms"] is None or not v["rule_ms"] else v["ms"] / v["rule_ms"]
-                c = v["config"]
-                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}, "
-                         f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
-                         f"{_stages(c, 'wgrad_num_stages')}, w{c['num_warps']} s{c['num_stages']}"
-                         + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
-                         + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))
-                lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {_fmt(v['ms'], '.2f')} | "
-                             f"{_fmt(v['rule_ms'], '.2f')} | {_fmt(ratio, '.3f')} | {v['max_rel_diff_vs_rule']:.1e} | "
-                             f"{tiles} |")
-            if r["sweep"].get("skipped"):
-                lines.append(f"| {r['shape']} | {r['tokens']} | not started (budget): "
-                             f"{', '.join(r['sweep']['skipped'])} | | | | | |")
-    if data.get("not_started"):
-        lines += ["", f"Rows not started (--budget-s {data.get('budget_s')}): {', '.join(data['not_started'])}."]
-    lines += ["", "## Targets", "", "| shape | T | target | met |", "|---|---:|---|---|"]
-    for r in data["rows"]:
-        for name, met in r["targets"].items():
-            lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {'-' if met is None else 'yes' if met else 'NO'} |")
-    return "\n".join(lines) + "\n"
 
 
 def _main(argv: list[str] | None) -> int:
