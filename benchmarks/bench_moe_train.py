@@ -92,13 +92,15 @@ def flops(shape: MoEShape, tokens: int) -> float:
     return 18.0 * tokens * shape.top_k * shape.k * shape.i
 
 
-SWEEP_NAMES = ("rule", "untuned", "dh_s3", "dh64", "wg256x128", "w4")
+SWEEP_NAMES = ("rule", "untuned", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
+               "wg_r32_s4")
 
 
 def sweep_configs() -> dict:
     """Candidate configs of our backward that --sweep times, by `SWEEP_NAMES` name (the rule's first: None):
     the planner's 128-row rule for GPUs it has no tuned rule for ("untuned"), and the Hopper rule with one
-    choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps)."""
+    choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps, the rows the
+    weight-gradient kernels reduce per step and their stages)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
@@ -112,6 +114,10 @@ def sweep_configs() -> dict:
         "dh64": replace(hopper, block_n=64),
         "wg256x128": replace(hopper, wgrad_block_a=256, wgrad_block_b=128),
         "w4": replace(hopper, num_warps=4),
+        "wg_r64": replace(hopper, wgrad_rows=64),
+        "wg_r64_s3": replace(hopper, wgrad_rows=64, wgrad_num_stages=3),
+        "wg128_r64_s3": replace(hopper, wgrad_block_b=128, wgrad_rows=64, wgrad_num_stages=3),
+        "wg_r32_s4": replace(hopper, wgrad_rows=32, wgrad_num_stages=4),
     }
 
 

@@ -23,6 +23,8 @@ class ExpertsBackwardConfig:
         num_warps, num_stages: Triton's launch parameters.
         dh_num_stages, wgrad_num_stages: the dH and the weight-gradient kernels' pipeline depth
             (None: num_stages).
+        wgrad_rows: the rows of a block the weight-gradient kernels reduce per step (a divisor of
+            block_m, a multiple of 16; None: block_m).
         smem_budget_kib: the shared memory (KiB) a kernel's pipelined operand tiles may take; a
             kernel's stages are cut to fit it (fp32 tiles take twice a 16-bit stage), and a
             weight-gradient tile whose one stage would not fit is halved along its longer side.
@@ -40,12 +42,14 @@ class ExpertsBackwardConfig:
     num_stages: int = 3
     dh_num_stages: int | None = None
     wgrad_num_stages: int | None = None
+    wgrad_rows: int | None = None
     smem_budget_kib: int = 160
 
     def short(self) -> str:
         """e.g. "128: dH 128x64 s4, dX 128x64, dW 128x256 s2, g8 w8 s3, 224 KiB"."""
         dh_s = "" if self.dh_num_stages is None else f" s{self.dh_num_stages}"
-        wg_s = "" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}"
+        wg_s = ("" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}") + (
+            "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -158,7 +158,7 @@ def _experts_wgrad_kernel(
     stride_be, stride_bn,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, B_BY_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BIAS_WEIGHTED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ROWS: tl.constexpr,
 ):
     tiles_a = tl.cdiv(A_COLS, BLOCK_A)
     tiles_b = tl.cdiv(B_COLS, BLOCK_B)
@@ -175,16 +175,16 @@ def _experts_wgrad_kernel(
     # -- main loop over the expert's blocks: out += A[rows]^T @ B[rows], fp32 --
     acc = tl.zeros((BLOCK_A, BLOCK_B), dtype=tl.float32)
     bias = tl.zeros((BLOCK_A,), dtype=tl.float32)
-    for block in range(first, last):
-        pairs = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    for step in range(first * (BLOCK_M // ROWS), last * (BLOCK_M // ROWS)):  # ROWS of a block per step
+        pairs = tl.load(pairs_ptr + step * ROWS + tl.arange(0, ROWS))
         mask_m = pairs < NUM_PAIRS
         rows = pairs.to(tl.int64)
         a_rows = rows // TOP_K if A_BY_TOKEN else rows
         b_rows = rows // TOP_K if B_BY_TOKEN else rows
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_a[None, :] * stride_ak,
-                    mask=mask_m[:, None] & mask_a[None, :], other=0.0)  # [BLOCK_M, BLOCK_A]
+                    mask=mask_m[:, None] & mask_a[None, :], other=0.0)  # [ROWS, BLOCK_A]
         b = tl.load(b_ptr + b_rows[:, None] * stride_bm + offs_b[None, :] * stride_bk,
-                    mask=mask_m[:, None] & mask_b[None, :], other=0.0)  # [BLOCK_M, BLOCK_B]
+                    mask=mask_m[:, None] & mask_b[None, :], other=0.0)  # [ROWS, BLOCK_B]
         acc = tl.dot(tl.trans(a), b, acc, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
             if BIAS_WEIGHTED:
@@ -248,12 +248,12 @@ def can_run(*tensors) -> bool:
     return True
 
 
-def fit_wgrad_tile(block_m: int, block_a: int, block_b: int, size: int, stages: int, budget: int) -> tuple[int, int]:
+def fit_wgrad_tile(rows: int, block_a: int, block_b: int, size: int, stages: int, budget: int) -> tuple[int, int]:
     """The weight-gradient kernels' output tile (a, b) for operands of `size` bytes: block_a x block_b
-    halved along its longer side until min(2, stages) stages of its operand tiles (block_m x (a + b)
+    halved along its longer side until min(2, stages) stages of its operand tiles (rows x (a + b)
     elements each) fit `budget` bytes of shared memory, or a side reaches 16."""
     a, b = block_a, block_b
-    while block_m * (a + b) * size * min(2, stages) > budget and max(a, b) > 16:
+    while rows * (a + b) * size * min(2, stages) > budget and max(a, b) > 16:
         a, b = (a // 2, b) if a >= b else (a, b // 2)
     return a, b
 
@@ -307,10 +307,11 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         as `fit_wgrad_tile` cuts it."""
         out = {}
         stages = config.num_stages if config.wgrad_num_stages is None else config.wgrad_num_stages
+        rows = config.wgrad_rows or bm
         for size in (2, 4):
-            a, b = fit_wgrad_tile(bm, block_a, block_b, size, stages, budget)
-            for key, launcher in variants(_experts_wgrad_kernel, bm * (a + b), stages, BLOCK_A=a, BLOCK_B=b,
-                                          **constexprs).items():
+            a, b = fit_wgrad_tile(rows, block_a, block_b, size, stages, budget)
+            for key, launcher in variants(_experts_wgrad_kernel, rows * (a + b), stages, BLOCK_A=a, BLOCK_B=b,
+                                          ROWS=rows, **constexprs).items():
                 if key[1] == size:
                     out[key] = launcher
         return out

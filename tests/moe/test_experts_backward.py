@@ -10,6 +10,8 @@ Qwen3-MoE and gpt-oss models trained a few steps on the kernels against eager.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -159,6 +161,18 @@ def test_every_rule_tile(rule, dtype):
            kernel="experts_backward_grouped", config=EXPERTS_BACKWARD_RULES[rule].config)
 
 
+@pytest.mark.parametrize("rows", [16, 64])
+def test_the_weight_gradients_reduce_a_block_in_parts(rows):
+    """wgrad_rows < block_m: each block's rows reduced in block_m / rows steps, the same sums."""
+    layout = LAYOUTS[0]
+    w = _weights(5, 40, 24, layout, True, torch.float16)
+    x = torch.randn(70, 40).to(DEVICE, torch.float16)
+    index, weights = _routing(70, 5, 2)
+    config = dataclasses.replace(EXPERTS_BACKWARD_RULES[-1].config, wgrad_rows=rows)
+    _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.float16, store=False,
+           kernel="experts_backward_grouped", config=config)
+
+
 @pytest.mark.parametrize("rule", EXPERTS_BACKWARD_RULES, ids=lambda r: r.config.short())
 def test_every_rule_fits_its_shared_memory_budget(rule):
     """Each kernel's pipelined operand tiles, at the stages it launches with, fit the rule's budget for 16-bit
@@ -169,10 +183,11 @@ def test_every_rule_fits_its_shared_memory_budget(rule):
         bk = c.block_k if size == 2 else max(16, c.block_k // 2)
         dx_k = c.dx_block_k if size == 2 else max(16, c.dx_block_k // 2)
         stages = c.num_stages if c.wgrad_num_stages is None else c.wgrad_num_stages
-        a, b = fit_wgrad_tile(c.block_m, c.wgrad_block_a, c.wgrad_block_b, size, stages, budget)
+        rows = c.wgrad_rows or c.block_m
+        a, b = fit_wgrad_tile(rows, c.wgrad_block_a, c.wgrad_block_b, size, stages, budget)
         assert (a, b) == (c.wgrad_block_a, c.wgrad_block_b) or size == 4  # 16-bit runs the rule's tile
-        launched_stages = max(1, min(stages, budget // (c.block_m * (a + b) * size)))
-        assert launched_stages * c.block_m * (a + b) * size <= budget
+        launched_stages = max(1, min(stages, budget // (rows * (a + b) * size)))
+        assert launched_stages * rows * (a + b) * size <= budget
         assert launched_stages >= min(2, stages)
         dh_stages = c.num_stages if c.dh_num_stages is None else c.dh_num_stages
         assert min(dh_stages, budget // ((c.block_m * bk + bk * c.block_n) * size)) >= 2
