@@ -92,15 +92,16 @@ def flops(shape: MoEShape, tokens: int) -> float:
     return 18.0 * tokens * shape.top_k * shape.k * shape.i
 
 
-SWEEP_NAMES = ("rule", "untuned", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
+SWEEP_NAMES = ("rule", "untuned", "first_hopper", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
                "wg_r32_s4")
 
 
 def sweep_configs() -> dict:
     """Candidate configs of our backward that --sweep times, by `SWEEP_NAMES` name (the rule's first: None):
-    the planner's 128-row rule for GPUs it has no tuned rule for ("untuned"), and the Hopper rule with one
+    the planner's 128-row rule for GPUs it has no tuned rule for ("untuned"), the first Hopper rule
+    ("first_hopper": 128x256 weight-gradient tiles at 2 stages over whole blocks) and that rule with one
     choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps, the rows the
-    weight-gradient kernels reduce per step and their stages)."""
+    weight-gradient kernels reduce per step and their stages; "wg128_r64_s3" is the Hopper rule now)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
@@ -110,6 +111,7 @@ def sweep_configs() -> dict:
     return {
         "rule": None,
         "untuned": C(128, 64, 64, 128, 64, 128, 128, num_warps=8, num_stages=3),
+        "first_hopper": hopper,
         "dh_s3": replace(hopper, dh_num_stages=3),
         "dh64": replace(hopper, block_n=64),
         "wg256x128": replace(hopper, wgrad_block_a=256, wgrad_block_b=128),

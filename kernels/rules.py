@@ -205,12 +205,13 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
          m=(None, 64), why="few rows per expert: 16-row blocks, as the forward's rule; not yet timed"),
     Rule("experts_backward_grouped", EBC(64, 64, 64, 128, 64, 64, 64, group_m=8, num_warps=4, num_stages=3),
          m=(65, 512), why="tens of rows per expert: 64-row blocks, as the forward's rule; not yet timed"),
-    Rule("experts_backward_grouped", EBC(128, 128, 64, 128, 64, 128, 256, group_m=8, num_warps=8, num_stages=3,
-                                         dh_num_stages=4, wgrad_num_stages=2, smem_budget_kib=224),
+    Rule("experts_backward_grouped", EBC(128, 128, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3,
+                                         dh_num_stages=4, wgrad_num_stages=3, wgrad_rows=64, smem_budget_kib=224),
          HOPPERS, m=(513, None), sweep=MOE_BACKWARD,
-         why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages, 128x256 "
-             "weight-gradient tiles at 2; per kernel 0.69x, 0.79x and 0.81x the time of the tiles below (dH, dWd, "
-             "dWgu; Qwen3-30B-A3B T = 16384)"),
+         why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages, 128x128 "
+             "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x, 0.79x and 0.81x the time "
+             "of the tiles below (dH, dWd, dWgu; Qwen3-30B-A3B T = 16384), the weight-gradient part 0.89-0.93x more "
+             "on OLMoE"),
     Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
          m=(513, None), why="training batches: 128-row blocks, a 128x64 dH tile (its epilogue holds P's gate and up "
                             "tiles beside the accumulator), 128x128 dX and weight-gradient tiles; not yet timed"),

@@ -97,7 +97,8 @@ def render_markdown(data: dict) -> str:
                 c = v["config"]
                 tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}, "
                          f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
-                         f"{_stages(c, 'wgrad_num_stages')}, w{c['num_warps']} s{c['num_stages']}"
+                         f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}, "
+                         f"w{c['num_warps']} s{c['num_stages']}"
                          + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
                          + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))
                 lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {fmt(v['ms'], '.2f')} | "
