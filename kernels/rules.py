@@ -163,7 +163,8 @@ RULES: tuple[Rule, ...] = (
 
 BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_split")
 
-BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/train/tune_backward_variants_fp16.json")
+BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/train/tune_backward_variants_fp16.json",
+                          "h100/train/tune_backward_variants_small_m_bf16.json")
 
 BACKWARD_RULES: tuple[Rule, ...] = (
     Rule("backward_split", C(32, 128, 16, num_warps=4), min_capability=HOPPER, m=(129, None),
@@ -171,7 +172,8 @@ BACKWARD_RULES: tuple[Rule, ...] = (
          why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "
              "epilogue does not overlap its MMAs (its 128x128x64 s4 tile, DEFAULT_CONFIGS): Llama-3-8B 0.839 vs "
              "0.867 ms at M = 4096, 1.676 vs 1.769 at 8192, Gemma-2-9B 0.764 vs 0.842 and 1.527 vs 1.659, fp16 "
-             "0.866 vs 0.918 (H100; cuBLAS alone 0.604 at M = 4096); M = 129-2048 not yet timed"),
+             "0.866 vs 0.918 (H100; cuBLAS alone 0.604 at M = 4096); a later run: 0.119 vs 0.136 ms at M = 512, 0.428 "
+             "vs 0.462 at 2048 (the fused kernel with its epilogue in 4 slices: slower still, 1.06-1.19x)"),
     Rule("backward_tma", C(64, 128, 64, group_m=8, num_warps=4, num_stages=4), min_capability=HOPPER,
          m=(65, 128), why="64-row tiles where M is too small for 128-row tiles to fill the SMs; not yet timed"),
     Rule("backward_pointer", C(16, 32, 64, num_warps=4, num_stages=3), m=(None, 16),
@@ -186,7 +188,8 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 # `bench_moe --sweep` over the Qwen3-30B-A3B, OLMoE, gpt-oss-20b, Mixtral-8x7B and GLM-4.5-Air shapes
 # (geometric mean of time over the best config, per T range; uniform routing).
 MOE = ("h100/moe/sweep.json",)
-MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json",)
+MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json", "h100/moe_train/backward_tiles/candidates/results.json",
+                "h100/moe_train/backward_tiles/rows/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
@@ -209,12 +212,13 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
                                          dh_num_stages=4, wgrad_num_stages=3, wgrad_rows=64, smem_budget_kib=224),
          HOPPERS, m=(513, None), sweep=MOE_BACKWARD,
          why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages, 128x128 "
-             "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x, 0.79x and 0.81x the time "
-             "of the tiles below (dH, dWd, dWgu; Qwen3-30B-A3B T = 16384), the weight-gradient part 0.89-0.93x more "
-             "on OLMoE"),
+             "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x (dH), 0.77x (dWd) and 0.80x "
+             "(dWgu) the time of the tiles below at Qwen3-30B-A3B T = 16384; the weight-gradient kernels 0.86-0.92x "
+             "those of 128x256 tiles over whole blocks on OLMoE"),
     Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
-         m=(513, None), why="training batches: 128-row blocks, a 128x64 dH tile (its epilogue holds P's gate and up "
-                            "tiles beside the accumulator), 128x128 dX and weight-gradient tiles; not yet timed"),
+         m=(513, None), why="training batches on other GPUs: 128-row blocks, a 128x64 dH tile, 128x128 dX and "
+                            "weight-gradient tiles, within 160 KiB of shared memory; not timed on them (on the H100: "
+                            "1.15-1.19x the Hopper rule's backward)"),
 )
 
 # A call that names a kernel without a config gets this one (the pointer and TMA kernels: their

@@ -17,6 +17,7 @@ on its own, and nothing here imports a top-level benchmark.
 - `host_time`: host time per call from an idle GPU, and rounds of eager-vs-patched turns;
 - `roofline`: the floor a gated GEMM cannot beat, and the measured peaks it is built from;
 - `report_mlp`: `bench_mlp`'s markdown and PNG, pure functions of its JSON;
+- `report_moe_train`: `bench_moe_train`'s markdown (ways, sweeps, each kernel against cuBLAS);
 - `decode_graph`: greedy decode with the step captured in a CUDA graph;
 - `step_profile`: GPU time of a decode step by kernel family, from torch.profiler;
 - `cli`: one-line command-line errors (exit code 2) and JSON output.
