@@ -35,7 +35,6 @@ from . import (experts_backward_gemm, experts_gemm, gated_backward_pointer, gate
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
-from .launcher import ensure_allocator
 from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank_operands, check_operands,
                        default_approx_tanh, output, resolve_approx_tanh)
 from .rules import DEFAULT_CONFIGS, TABLES, Rule
@@ -381,7 +380,7 @@ def gated_backward(
         output(fn, "dh_in", dh_in, (m, i), dy)
     args = (dy, down_weight, preact, dpreact_out, h_out, dh_in)
     key = _call_key(dy, i, dy.is_cuda and torch.cuda.is_current_stream_capturing())
-    ensure_allocator()  # the TMA kernel's device-built descriptors
+    gated_gemm_tma.ensure_allocator()  # the TMA kernel's device-built descriptors
     _launch(fn, "backward_dh_in" if has_dh_in else "backward", key, epilogue, approx, (dy.dtype, has_dh_in), args,
             args, kernel, config)
     return dpreact_out, h_out

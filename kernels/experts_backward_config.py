@@ -25,8 +25,6 @@ class ExpertsBackwardConfig:
             (None: num_stages).
         wgrad_rows: the rows of a block the weight-gradient kernels reduce per step (a divisor of
             block_m, a multiple of 16; None: block_m).
-        weight_tma: the dH and dX kernels read the expert's weight tile through a TMA descriptor
-            (16-bit weights whose read layout a descriptor addresses; others load by pointer).
         smem_budget_kib: the shared memory (KiB) a kernel's pipelined operand tiles may take; a
             kernel's stages are cut to fit it (fp32 tiles take twice a 16-bit stage), and a
             weight-gradient tile whose one stage would not fit is halved along its longer side.
@@ -45,7 +43,6 @@ class ExpertsBackwardConfig:
     dh_num_stages: int | None = None
     wgrad_num_stages: int | None = None
     wgrad_rows: int | None = None
-    weight_tma: bool = False
     smem_budget_kib: int = 160
 
     def short(self) -> str:
@@ -55,4 +52,4 @@ class ExpertsBackwardConfig:
             "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
-                f"s{self.num_stages}, {self.smem_budget_kib} KiB" + (", weight TMA" if self.weight_tma else ""))
+                f"s{self.num_stages}, {self.smem_budget_kib} KiB")

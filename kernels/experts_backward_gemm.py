@@ -49,7 +49,7 @@ from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel
 from .experts_low_rank_jit import low_rank_segment
 from .experts_routing import expert_blocks
 from .jit_common import gated_epilogue_grad, tile_pid
-from .launcher import FastLaunch, ensure_allocator
+from .launcher import FastLaunch
 
 
 @triton.jit
@@ -92,14 +92,11 @@ def _experts_dh_kernel(
     GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr, LIMIT: tl.constexpr,
     ALPHA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, WEIGHT_TMA: tl.constexpr = False,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(I, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
     if expert < NUM_EXPERTS:
-        if WEIGHT_TMA:  # Wd[e] [K_out, I] (unit I stride) through a descriptor built here: zeros past its edges
-            wd_desc = tl.make_tensor_descriptor(d_ptr + expert.to(tl.int64) * stride_de, [K_OUT, I], [stride_dn, 1],
-                                                [BLOCK_K, BLOCK_N])
         pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = pairs < NUM_PAIRS
         rows = pairs.to(tl.int64)
@@ -117,10 +114,7 @@ def _experts_dh_kernel(
         for k in range(0, tl.cdiv(K_OUT, BLOCK_K)):
             k_left = K_OUT - k * BLOCK_K
             dy = tl.load(dy_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if WEIGHT_TMA:
-                wd = wd_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
-            else:
-                wd = tl.load(d_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            wd = tl.load(d_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
             acc = tl.dot(dy, wd, acc, input_precision=INPUT_PRECISION)
             if HAS_BIAS:
                 bd = tl.load(db_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
@@ -216,14 +210,11 @@ def _experts_dx_kernel(
     stride_lm, stride_lae, stride_lar, stride_lak,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16, WEIGHT_TMA: tl.constexpr = False,
+    HAS_LOW_RANK: tl.constexpr = False, BLOCK_R: tl.constexpr = 16,
 ):
     pid_m, pid_n = tile_pid(tl.program_id(0), GROUP_M * tl.cdiv(K, BLOCK_N), NUM_BLOCKS, GROUP_M)
     expert = tl.load(blocks_ptr + pid_m)
     if expert < NUM_EXPERTS:
-        if WEIGHT_TMA:  # Wgu[e] [2I, K] (unit K stride) through a descriptor built here: zeros past its edges
-            w_desc = tl.make_tensor_descriptor(w_ptr + expert.to(tl.int64) * stride_we, [N2, K], [stride_wn, 1],
-                                               [BLOCK_K, BLOCK_N])
         pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         mask_m = pairs < NUM_PAIRS
         rows = pairs.to(tl.int64)
@@ -238,10 +229,7 @@ def _experts_dx_kernel(
         for k in range(0, tl.cdiv(N2, BLOCK_K)):
             k_left = N2 - k * BLOCK_K
             dp = tl.load(dp_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if WEIGHT_TMA:
-                w = w_desc.load([k * BLOCK_K, pid_n * BLOCK_N])
-            else:
-                w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
             acc = tl.dot(dp, w, acc, input_precision=INPUT_PRECISION)
             dp_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wn
@@ -268,15 +256,6 @@ def fit_wgrad_tile(rows: int, block_a: int, block_b: int, size: int, stages: int
     while rows * (a + b) * size * min(2, stages) > budget and max(a, b) > 16:
         a, b = (a // 2, b) if a >= b else (a, b // 2)
     return a, b
-
-
-def weight_tma_ok(weight: torch.Tensor, strides: tuple[int, int, int]) -> bool:
-    """A 16-bit 3-D weight whose per-expert [rows, cols] matrix, as the kernel reads it through
-    `strides` (expert, row, column), a TMA descriptor can address: unit column stride, 16-byte
-    aligned base, expert and row strides."""
-    size = weight.element_size()
-    return (size == 2 and strides[2] == 1 and (strides[0] * size) % 16 == 0 and (strides[1] * size) % 16 == 0
-            and weight.data_ptr() % 16 == 0)
 
 
 def tiles_of(wgrad_launcher: FastLaunch, a_cols: int, b_cols: int) -> int:
@@ -341,18 +320,15 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     recompute = variants(_experts_gated_gemm_kernel, bm * bk + 2 * bk * bn, TOP_K=top_k, GATE_STEP=step,
                          HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
-    dh_args = dict(TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue, BLOCK_N=bn, BLOCK_K=bk,
-                   GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
-    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, **dh_args)
-    dh_tma = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, WEIGHT_TMA=True, **dh_args)
+    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
     ba, bb = config.wgrad_block_a, config.wgrad_block_b
     dwd = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True)
     dwgu = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=False, B_BY_TOKEN=True,
                           BIAS_WEIGHTED=False)
     dxn, dxk = config.dx_block_n, config.dx_block_k
-    dx_args = dict(BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
-    dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, **dx_args)
-    dx_tma = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, WEIGHT_TMA=True, **dx_args)
+    dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m,
+                         HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
     def lr_wgrad(block_a: int, block_b: int, a_by_token: bool, b_by_token: bool):
@@ -402,14 +378,10 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         lr_strides = (dout_lr.stride(0), *a_d.stride()) if lr_d else (0, 0, 0, 0)
         tiles_i = ceil_div(inter, config.block_n)
         dw_part = torch.zeros((num_pairs, tiles_i), dtype=torch.float32, device=x.device)
-        down_strides = _down_strides(down, layout)
-        dh_launch = dh_tma if config.weight_tma and weight_tma_ok(down, down_strides) else dh
-        if config.weight_tma:
-            ensure_allocator()
-        dh_launch[precision](num_blocks * tiles_i, device,
+        dh[precision](num_blocks * tiles_i, device,
                       dout, sorted_pairs, block_expert, top_k_weights, down, d_bias, preact, dpre, hw, dw_part,
                       *lr_args[:2], num_pairs, num_blocks, k_out, inter, up_shift, num_experts, lr_args[2],
-                      *dout.stride(), *top_k_weights.stride(), *down_strides, d_bias.stride(0),
+                      *dout.stride(), *top_k_weights.stride(), *_down_strides(down, layout), d_bias.stride(0),
                       d_bias.stride(1), preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0), *lr_strides)
         dweights = dw_part.sum(1).view(t, top_k).to(top_k_weights.dtype) if need_w else None
         del dw_part
@@ -459,8 +431,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             gs = _gate_up_strides(gate_up, layout)  # (expert, 2I-axis, K-axis)
             lr_args = (dp_lr, a_gu, a_gu.shape[1]) if lr_gu else (dpre, dpre, 0)
             lr_strides = (dp_lr.stride(0), *a_gu.stride()) if lr_gu else (0, 0, 0, 0)
-            dx_launch = dx_tma if config.weight_tma and weight_tma_ok(gate_up, gs) else dx_kernel
-            dx_launch[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
+            dx_kernel[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
                                  dpre, sorted_pairs, block_expert, gate_up, dx_pairs, *lr_args[:2],
                                  num_pairs, num_blocks, k, 2 * inter, num_experts, lr_args[2],
                                  dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0), *lr_strides)

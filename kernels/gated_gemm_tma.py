@@ -44,11 +44,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from .configs import LOW_RANK_BLOCK, TMA_DTYPES, GatedGemmConfig, KernelCapability, ceil_div
 from .device import num_sms, tma_operands_ok
 from .jit_common import gated_epilogue, tile_pid
-from .launcher import FastLaunch, ensure_allocator
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 # A split tail's tiles keep at least this many output columns (a 2 * 32-row weight box).
@@ -173,6 +174,18 @@ def _gated_gemm_tma_kernel(
             _store_tile(acc, out_tail_desc, p_tail_desc, b_ptr, offs_m, offs_w, sub_n, I, HAS_BIAS, STORE_PREACT,
                         ACTIVATION, APPROX_TANH,
                         GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK, BLOCK_SIZE_M, SUB_N)
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for device-built TMA descriptors (128 bytes each)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton a scratch allocator unless the caller set one (it is per thread: a ContextVar)."""
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
+        triton.set_allocator(_scratch)
 
 
 CAPABILITY = KernelCapability("tma", ops=("forward",), features=frozenset({"store_preact", "low_rank"}),

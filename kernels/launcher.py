@@ -23,9 +23,6 @@ kernel here but the TMA-descriptor ones): the ints themselves, with whether ever
 tuple hash instead of a per-argument specialization. Where the Triton version's launcher
 layout is known (3.6) and the kernel needs no scratch memory, the launch then calls Triton's
 C launch function directly, skipping the Python wrapper around it.
-
-`ensure_allocator`: the scratch allocator Triton needs for kernels that build TMA descriptors
-on the device (`tl.make_tensor_descriptor`).
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 from triton import knobs
-from triton.runtime import _allocation, driver
+from triton.runtime import driver
 
 from .device import interpreting
 
@@ -132,16 +129,3 @@ def _entry(compiled) -> tuple:
         return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
                             compiled.packed_metadata, None, None, None)
     return run, (compiled.function, compiled.packed_metadata, None, None, None)
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for device-built TMA descriptors (128 bytes each)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Give Triton a scratch allocator for kernels that build TMA descriptors on the device, unless
-    the caller set one (it is per thread: a ContextVar)."""
-    current = getattr(_allocation, "_allocator", None)
-    if current is None or current.get() is getattr(_allocation, "_NULL_ALLOCATOR", None):
-        triton.set_allocator(_scratch)

@@ -100,7 +100,6 @@ def render_markdown(data: dict) -> str:
                          f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}, "
                          f"w{c['num_warps']} s{c['num_stages']}"
                          + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
-                         + (", weight TMA" if c.get("weight_tma") else "")
                          + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))
                 lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {fmt(v['ms'], '.2f')} | "
                              f"{fmt(v['rule_ms'], '.2f')} | {fmt(ratio, '.3f')} | {v['max_rel_diff_vs_rule']:.1e} | "

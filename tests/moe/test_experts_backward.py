@@ -173,21 +173,6 @@ def test_the_weight_gradients_reduce_a_block_in_parts(rows):
            kernel="experts_backward_grouped", config=config)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
-def test_weights_read_through_tma_descriptors(layout):
-    """weight_tma: the dH and dX kernels read Wd[e] and Wgu[e] through per-expert descriptors where the
-    layout allows (zeros past each expert's edges), else by
-    pointer; float64's gradients either way, an expert with no tokens included. K = 136 and I = 80 span
-    several tiles and steps of every kernel, off their edges."""
-    w = _weights(5, 136, 80, layout, True, torch.float16)
-    x = torch.randn(70, 136).to(DEVICE, torch.float16)
-    index, weights = _routing(70, 5, 2)
-    index[index == 3] = 4  # expert 3 gets no tokens
-    config = dataclasses.replace(EXPERTS_BACKWARD_RULES[-1].config, weight_tma=True)
-    _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.float16, store=False,
-           kernel="experts_backward_grouped", config=config)
-
-
 @pytest.mark.parametrize("rule", EXPERTS_BACKWARD_RULES, ids=lambda r: r.config.short())
 def test_every_rule_fits_its_shared_memory_budget(rule):
     """Each kernel's pipelined operand tiles, at the stages it launches with, fit the rule's budget for 16-bit
