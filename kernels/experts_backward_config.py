@@ -45,6 +45,12 @@ class ExpertsBackwardConfig:
     wgrad_rows: int | None = None
     smem_budget_kib: int = 160
 
+    def __post_init__(self):
+        rows = self.wgrad_rows
+        if rows is not None and (rows < 16 or rows % 16 or self.block_m % rows):
+            raise ValueError(f"ExpertsBackwardConfig: wgrad_rows must be a multiple of 16 that divides block_m "
+                             f"({self.block_m}), got {rows}")
+
     def short(self) -> str:
         """e.g. "128: dH 128x64 s4, dX 128x64, dW 128x256 s2, g8 w8 s3, 224 KiB"."""
         dh_s = "" if self.dh_num_stages is None else f" s{self.dh_num_stages}"

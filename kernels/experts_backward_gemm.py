@@ -260,7 +260,8 @@ def fit_wgrad_tile(rows: int, block_a: int, block_b: int, size: int, stages: int
 
 def tiles_of(wgrad_launcher: FastLaunch, a_cols: int, b_cols: int) -> int:
     """Output tiles per expert of a `_experts_wgrad_kernel` launcher over an a_cols x b_cols gradient."""
-    return ceil_div(a_cols, wgrad_launcher.constexprs["BLOCK_A"]) * ceil_div(b_cols, wgrad_launcher.constexprs["BLOCK_B"])
+    tile = wgrad_launcher.constexprs
+    return ceil_div(a_cols, tile["BLOCK_A"]) * ceil_div(b_cols, tile["BLOCK_B"])
 
 
 def expert_ranges(block_expert: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,8 +321,9 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     recompute = variants(_experts_gated_gemm_kernel, bm * bk + 2 * bk * bn, TOP_K=top_k, GATE_STEP=step,
                          HAS_BIAS=has_bias, STORE_PREACT=True, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
-    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, TOP_K=top_k, GATE_STEP=step, HAS_BIAS=has_bias, **epilogue,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
+    dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, TOP_K=top_k, GATE_STEP=step,
+                  HAS_BIAS=has_bias, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
+                  HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
     ba, bb = config.wgrad_block_a, config.wgrad_block_b
     dwd = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True)
     dwgu = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=False, B_BY_TOKEN=True,

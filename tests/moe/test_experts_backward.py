@@ -173,6 +173,12 @@ def test_the_weight_gradients_reduce_a_block_in_parts(rows):
            kernel="experts_backward_grouped", config=config)
 
 
+@pytest.mark.parametrize("rows", [8, 48, 256])
+def test_weight_gradient_rows_must_split_the_block(rows):
+    with pytest.raises(ValueError, match="wgrad_rows must be a multiple of 16 that divides block_m"):
+        dataclasses.replace(EXPERTS_BACKWARD_RULES[-1].config, wgrad_rows=rows)
+
+
 @pytest.mark.parametrize("rule", EXPERTS_BACKWARD_RULES, ids=lambda r: r.config.short())
 def test_every_rule_fits_its_shared_memory_budget(rule):
     """Each kernel's pipelined operand tiles, at the stages it launches with, fit the rule's budget for 16-bit
