@@ -45,8 +45,10 @@ class GatedGemmConfig:
             box (1) or as separate gate and up boxes (2).
         max_registers: registers per thread the compiler may use (Triton's maxnreg), 0 for its
             own choice; kernels that read it say so.
-        epilogue_subtiles: backward TMA kernel: the epilogue runs in this many column slices of
-            the tile (2 or 4; more slices, less shared memory and fewer registers).
+        epilogue_subtiles: backward TMA and warp-specialized kernels: the epilogue runs in this
+            many column slices of the tile (more slices, less shared memory and fewer registers).
+        epilogue_warps, epilogue_registers: warp-specialized backward kernel: the warps of its
+            epilogue group and their registers per thread.
     """
 
     block_m: int
@@ -61,6 +63,8 @@ class GatedGemmConfig:
     weight_boxes: int = 1
     max_registers: int = 0
     epilogue_subtiles: int = 2
+    epilogue_warps: int = 4
+    epilogue_registers: int = 200
 
     def meta(self) -> dict:
         """The kernels' tile meta-parameters."""
@@ -80,6 +84,8 @@ class GatedGemmConfig:
             extras.append(f"r{self.max_registers}")
         if self.epilogue_subtiles != 2:
             extras.append(f"epi/{self.epilogue_subtiles}")
+        if (self.epilogue_warps, self.epilogue_registers) != (4, 200):
+            extras.append(f"epi w{self.epilogue_warps} r{self.epilogue_registers}")
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k} g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}" + "".join(" " + e for e in extras))
 
@@ -140,6 +146,7 @@ class KernelCapability:
         dtypes: the dtypes of the tensors it takes.
         tma: reads and writes through TMA descriptors: the call must meet `TMA_NEEDS`.
         one_token: M == 1 only, with whole gate/up blocks (the GEMV).
+        gpu_only: a Gluon kernel: CUDA tensors only, never under the interpreter.
     """
 
     name: str
@@ -148,23 +155,26 @@ class KernelCapability:
     dtypes: tuple[torch.dtype, ...] = ALL_DTYPES
     tma: bool = False
     one_token: bool = False
+    gpu_only: bool = False
 
     @property
     def runs_every_call(self) -> bool:
         """Needs nothing of the tensors: the planner skips its `can_run`."""
-        return not (self.tma or self.one_token) and self.dtypes == ALL_DTYPES
+        return not (self.tma or self.one_token or self.gpu_only) and self.dtypes == ALL_DTYPES
 
-    def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True) -> bool:
+    def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True, on_gpu: bool = True) -> bool:
         """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
-        alignment); `can_run` in its file decides the same on the tensors."""
-        if dtype not in self.dtypes or (self.one_token and (m != 1 or i % GATE_UP_BLOCK)):
+        alignment; on_gpu: CUDA tensors outside the interpreter); `can_run` in its file decides the
+        same on the tensors."""
+        if dtype not in self.dtypes or (self.one_token and (m != 1 or i % GATE_UP_BLOCK)) or (self.gpu_only
+                                                                                               and not on_gpu):
             return False
         return not self.tma or (tma_fits(dtype, i) and tma_aligned)
 
     def needs(self) -> str:
         """What a call must meet, as text for error messages."""
         if self.tma:
-            return TMA_NEEDS
+            return TMA_NEEDS + (" on a GPU (a Gluon kernel: not under the interpreter)" if self.gpu_only else "")
         if self.one_token:
             return f"M == 1 and I % {GATE_UP_BLOCK} == 0"
         return "floating-point tensors in " + "/".join(str(d).replace("torch.", "") for d in self.dtypes)

@@ -31,7 +31,7 @@ import dataclasses
 import torch
 
 from . import (experts_backward_gemm, experts_gemm, gated_backward_pointer, gated_backward_split, gated_backward_tma,
-               gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
+               gated_backward_ws, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
@@ -40,7 +40,7 @@ from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank
 from .rules import DEFAULT_CONFIGS, TABLES, Rule
 
 _KERNEL_FILES = (gated_gemv, gated_gemm_pointer, gated_gemm_tma_grid, gated_gemm_tma, gated_backward_pointer,
-                 gated_backward_tma, gated_backward_split, experts_gemm, experts_backward_gemm)
+                 gated_backward_tma, gated_backward_ws, gated_backward_split, experts_gemm, experts_backward_gemm)
 MODULES = {module.CAPABILITY.name: module for module in _KERNEL_FILES}  # kernel name -> its file
 OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABLES, features its kernel needs)
     "forward": ("forward", frozenset()),
@@ -405,7 +405,7 @@ def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op):
         cap = MODULES[rule.kernel].CAPABILITY
         lacks = _lacks(rule.kernel, op)
         why_not = f"the {rule.kernel} kernel {lacks}" if lacks else mismatch(rule, key)
-        if why_not is None and not cap.runs(dtype, m, i, tma_aligned):
+        if why_not is None and not cap.runs(dtype, m, i, tma_aligned, on_gpu=gpu != "cpu"):
             why_not = f"matches, but the {rule.kernel} kernel cannot run these tensors (needs {cap.needs()})"
         walk.append((n, rule, why_not))
         if why_not is None:

@@ -161,7 +161,7 @@ RULES: tuple[Rule, ...] = (
 # (storing the pre-activation P) and LoRA's low-rank forward take `RULES`, skipping kernels without
 # that feature (each kernel file's CAPABILITY says which it has).
 
-BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_split")
+BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_ws", "backward_split")
 
 BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/train/tune_backward_variants_fp16.json",
                           "h100/train/tune_backward_variants_small_m_bf16.json")
@@ -231,6 +231,7 @@ DEFAULT_CONFIGS: dict[str, C] = {
     # warp-specialized 0.881, group 16 0.906, 3 stages 1.078; docs/training.md): kernel="backward_tma" at M >= 129
     "backward_tma": C(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     "backward_split": BACKWARD_RULES[0].config,
+    "backward_ws": C(128, 128, 64, num_warps=4, num_stages=4, epilogue_subtiles=8),
 }
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family

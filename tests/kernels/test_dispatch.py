@@ -82,7 +82,7 @@ def test_capability_records_agree_with_the_tables_and_with_can_run():
                 aligned = offset == 0 and (k * x.element_size()) % 16 == 0 and (i * x.element_size()) % 16 == 0
                 for name, module in dispatch.MODULES.items():
                     if "forward" in module.CAPABILITY.ops:
-                        runs = module.CAPABILITY.runs(dtype, m, i, aligned)
+                        runs = module.CAPABILITY.runs(dtype, m, i, aligned, on_gpu=False)
                         assert module.can_run(x, w, out) == runs, (name, m, k, i)
                 dy, wd = torch.zeros(m, k, dtype=dtype)[:, :], torch.zeros(k, i, dtype=dtype)
                 p = torch.zeros(m * 2 * i + offset, dtype=dtype)[offset:].view(m, 2 * i)
@@ -90,7 +90,7 @@ def test_capability_records_agree_with_the_tables_and_with_can_run():
                 for name in BACKWARD_KERNELS:
                     module = dispatch.MODULES[name]
                     got = module.can_run(dy, wd, p, p, out)
-                    assert got == module.CAPABILITY.runs(dtype, m, i, aligned), (name, m, k, i, offset)
+                    assert got == module.CAPABILITY.runs(dtype, m, i, aligned, on_gpu=False), (name, m, k, i, offset)
 
 
 def test_cpu_bf16_is_refused_not_explained(capsys):

@@ -1,0 +1,233 @@
+"""The warp-specialized backward GEMM of the gated MLP for large M on Hopper, in Gluon.
+
+Computes what `gated_backward_pointer.py` computes (its docstring has the math, the layout of
+P and dP, dtypes and rounding): dH = dY @ Wd in fp32, then h and the interleaved
+dP = (dH * dh/dgate, dH * dh/dup) from the matching tile of P, with the epilogue of one tile
+running while the tensor cores work on the next. Each persistent program (one per SM) holds
+three groups of warps that hand work on through shared memory and mbarriers:
+
+- the loader (1 warp): per K step, one [BLOCK_SIZE_M, BLOCK_SIZE_K] TMA box of dY [M, K] and
+  one [BLOCK_SIZE_K, BLOCK_SIZE_N] box of Wd [K, I] into a ring of NUM_STAGES buffers;
+- the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
+  accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH, written when the tile is done into one fp32
+  shared buffer of the same shape (the handoff);
+- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [BLOCK_SIZE_M, EPILOGUE_N]
+  column slices, adds dh_in there (HAS_DH_IN), reads the slice's gate and up columns of P
+  (plain loads: gate column i at 2*16*(i // 16) + i % 16, up 16 later), and writes h and dP
+  (over P when dP is P: each element is read before it is written, by the same thread).
+
+The MMA group starts the next tile while the epilogue group works through the handoff; it
+waits only if the epilogue is a whole tile behind. dH stays in fp32 to the derivative, as in
+the other fused kernels.
+
+TMA needs dY and Wd 16-bit, unit inner strides, 16-byte-aligned rows and base pointers, and
+I % 16 == 0 (`can_run`); out-of-bounds TMA reads are zeros, so any M and K work. P, dP, h and
+dh_in take any strides. Gluon kernels run on the GPU only (no interpreter): the planner picks
+this kernel on Hopper only (`rules.BACKWARD_RULES`).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability
+from .device import interpreting, num_sms, tma_operands_ok
+from .jit_common import gated_epilogue_grad, tile_pid
+from .layout import GATE_UP_BLOCK
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
+            BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
+            GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA boxes of dY and Wd into the ring, NUM_STAGES steps ahead of the MMAs."""
+    num_pid_m = gl.cdiv(M, BLOCK_SIZE_M)
+    num_pid_n = gl.cdiv(I, BLOCK_SIZE_N)
+    k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
+        for ki in range(k_tiles):
+            s = step % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
+                                            a_ring.index(s))
+            tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
+                                            b_ring.index(s))
+            step += 1
+
+
+@gluon.jit
+def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
+         BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
+         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+    """dH tiles by wgmma over the ring, each written to the handoff buffer when done."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_SIZE_N, 16])
+    num_tiles = gl.cdiv(M, BLOCK_SIZE_M) * gl.cdiv(I, BLOCK_SIZE_N)
+    k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
+    step = 0
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+        acc = gl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32, acc_layout)
+        for ki in range(k_tiles):
+            s = step % NUM_STAGES
+            mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+            acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            # the MMA of the step before has retired: its stage is free
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
+        mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
+        handoff.store(acc)
+        gl.thread_barrier()
+        mbarrier.arrive(handoff_ready, count=1)
+        tiles_done += 1
+
+
+@gluon.jit
+def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I,
+              stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
+              HAS_DH_IN: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
+              GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr,
+              GATE_UP_BLOCK: gl.constexpr, BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr,
+              GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_N: gl.constexpr,
+              EPILOGUE_WARPS: gl.constexpr):
+    """Per tile, per EPILOGUE_N-column slice of the handoff: h and dP from dH and P."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPILOGUE_N, EPILOGUE_N // 8], [EPILOGUE_WARPS, 1],
+                                            [1, 0])
+    num_pid_m = gl.cdiv(M, BLOCK_SIZE_M)
+    num_pid_n = gl.cdiv(I, BLOCK_SIZE_N)
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
+        rows = (pid_m * BLOCK_SIZE_M + gl.arange(0, BLOCK_SIZE_M, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+        mbarrier.wait(handoff_ready, tiles_done & 1)
+        for j in gl.static_range(BLOCK_SIZE_N // EPILOGUE_N):
+            cols = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N + gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+            mask = (rows[:, None] < M) & (cols[None, :] < I)
+            dh = handoff.slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(layout)
+            if HAS_DH_IN:
+                dh_in = gl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask, other=0.0)
+                dh += dh_in.to(gl.float32)
+            gate_cols = (cols + (cols // GATE_UP_BLOCK) * GATE_UP_BLOCK).to(gl.int64)
+            p_rows = p_ptr + rows[:, None] * stride_pm
+            gate = gl.load(p_rows + gate_cols[None, :] * stride_pn, mask=mask, other=0.0).to(gl.float32)
+            up = gl.load(p_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_pn, mask=mask,
+                         other=0.0).to(gl.float32)
+            h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE,
+                                                CLAMP, LIMIT)
+            dp_rows = dp_ptr + rows[:, None] * stride_dpm
+            gl.store(dp_rows + gate_cols[None, :] * stride_dpn, dgate.to(dp_ptr.dtype.element_ty), mask=mask)
+            gl.store(dp_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_dpn, dup.to(dp_ptr.dtype.element_ty),
+                     mask=mask)
+            gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
+                     mask=mask)
+        gl.thread_barrier()
+        mbarrier.arrive(handoff_free, count=1)
+        tiles_done += 1
+
+
+@gluon.jit
+def _gated_backward_ws_kernel(
+    dy_desc, wd_desc, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I, K,
+    stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
+    HAS_DH_IN: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
+    GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr,
+    GATE_UP_BLOCK: gl.constexpr,
+    BLOCK_SIZE_M: gl.constexpr,
+    BLOCK_SIZE_N: gl.constexpr,
+    BLOCK_SIZE_K: gl.constexpr,
+    GROUP_SIZE_M: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    EPILOGUE_N: gl.constexpr,
+    EPILOGUE_WARPS: gl.constexpr,
+    EPILOGUE_REGISTERS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    a_ring = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
+    b_ring = gl.allocate_shared_memory(wd_desc.dtype, [NUM_STAGES] + wd_desc.block_type.shape, wd_desc.layout)
+    handoff = gl.allocate_shared_memory(gl.float32, [BLOCK_SIZE_M, BLOCK_SIZE_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(handoff_ready, count=1)
+    mbarrier.init(handoff_free, count=1)
+
+    gl.warp_specialize([
+        (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, NUM_PROGRAMS, NUM_STAGES, num_warps)),
+        (_loader, (dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
+                   BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)),
+        (_epilogue, (handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I,
+                     stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
+                     HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
+                     BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M, NUM_PROGRAMS, EPILOGUE_N, EPILOGUE_WARPS)),
+    ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGISTERS])
+
+
+CAPABILITY = KernelCapability("backward_ws", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
+                              tma=True, gpu_only=True)
+
+
+def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
+            h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
+    """CUDA tensors outside the interpreter meeting `configs.TMA_NEEDS` (`device.tma_operands_ok`),
+    as the TMA kernel's (the kernel reads P, dP, h and dh_in with plain loads and stores, so it
+    would take any strides there; the planner's alignment test is one for all operands)."""
+    return dy.is_cuda and not interpreting() and tma_operands_ok(down_weight.shape[1], dy, down_weight, preact,
+                                                                 dpreact, h)
+
+
+def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):
+    """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
+    running one persistent program per SM, writing dP (may be preact itself) and h; the tensors
+    passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without.
+
+    config: block_m x block_n x block_k tiles, num_stages ring buffers, num_warps MMA warps (4 or
+    8); the epilogue group takes config.epilogue_warps warps at config.epilogue_registers
+    registers each, in block_n / config.epilogue_subtiles column slices."""
+    if config.block_n % config.epilogue_subtiles or (config.block_n // config.epilogue_subtiles) % GATE_UP_BLOCK:
+        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be a multiple of {GATE_UP_BLOCK}, "
+                         f"got {config.block_n} / {config.epilogue_subtiles}")
+    gl_dtype = _GL_DTYPES[dtype]
+    dy_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl_dtype)
+    wd_layout = gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl_dtype)
+    fixed = dict(
+        HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
+        NUM_STAGES=config.num_stages, EPILOGUE_N=config.block_n // config.epilogue_subtiles,
+        EPILOGUE_WARPS=config.epilogue_warps, EPILOGUE_REGISTERS=config.epilogue_registers,
+        num_warps=config.num_warps,
+    )
+
+    def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
+               h: torch.Tensor, dh_in: torch.Tensor | None = None) -> None:
+        if has_dh_in and dh_in is None:
+            raise ValueError("gated_backward_ws: a HAS_DH_IN launcher needs dh_in")
+        dh = dh_in if has_dh_in else h  # not read without HAS_DH_IN
+        m, k = dy.shape
+        i = down_weight.shape[1]
+        dy_desc = TensorDescriptor(dy, [m, k], [dy.stride(0), 1], [config.block_m, config.block_k], dy_layout)
+        wd_desc = TensorDescriptor(down_weight, [k, i], [down_weight.stride(0), 1], [config.block_k, config.block_n],
+                                   wd_layout)
+        programs = num_sms(dy.device.index or 0)
+        _gated_backward_ws_kernel[(programs,)](
+            dy_desc, wd_desc, preact, dpreact, h, dh, m, i, k, *preact.stride(), *dpreact.stride(), *h.stride(),
+            *dh.stride(), NUM_PROGRAMS=programs, **fixed)
+
+    return launch
