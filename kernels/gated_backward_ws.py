@@ -40,58 +40,65 @@ from .jit_common import gated_epilogue_grad, tile_pid
 from .layout import GATE_UP_BLOCK
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers: the handoff buffer is fp32
+# where it fits beside the ring, else in dY's dtype (dH rounded once more, as the split kernel's).
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 @gluon.jit
-def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
-            BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
-            GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """TMA boxes of dY and Wd into the ring, NUM_STAGES steps ahead of the MMAs."""
+def _issue_load(step, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles,
+                BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
+                GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The TMA boxes of dY and Wd for this program's flat K step `step` (tile step // k_tiles of
+    its tiles, K step step % k_tiles) into ring slot step % NUM_STAGES."""
     num_pid_m = gl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = gl.cdiv(I, BLOCK_SIZE_N)
-    k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
-    step = 0
-    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
-        for ki in range(k_tiles):
-            s = step % NUM_STAGES
-            mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
-                                            a_ring.index(s))
-            tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
-                                            b_ring.index(s))
-            step += 1
+    tile_id = gl.program_id(0) + (step // k_tiles) * NUM_PROGRAMS
+    ki = step % k_tiles
+    pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
+    s = step % NUM_STAGES
+    mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
+                                    a_ring.index(s))
+    tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
+                                    b_ring.index(s))
 
 
 @gluon.jit
-def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
+def _mma(dy_desc, wd_desc, a_ring, b_ring, ready, handoff, handoff_ready, handoff_free, M, I, K,
          BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
-         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
-    """dH tiles by wgmma over the ring, each written to the handoff buffer when done."""
+         GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
+         MMA_WARPS: gl.constexpr):
+    """dH tiles by wgmma over the ring, which these warps keep NUM_STAGES - 1 K steps ahead with
+    TMA loads across tile boundaries; each tile is written to the handoff buffer when done."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                          instr_shape=[16, BLOCK_SIZE_N, 16])
     num_tiles = gl.cdiv(M, BLOCK_SIZE_M) * gl.cdiv(I, BLOCK_SIZE_N)
     k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
+    my_tiles = gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS)
+    total_steps = my_tiles * k_tiles
+    for step in gl.static_range(NUM_STAGES - 1):
+        if step < total_steps:
+            _issue_load(step, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles, BLOCK_SIZE_M, BLOCK_SIZE_N,
+                        BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)
     step = 0
-    tiles_done = 0
-    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
+    for t in range(my_tiles):
         acc = gl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32, acc_layout)
         for ki in range(k_tiles):
             s = step % NUM_STAGES
             mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
             acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the MMA of the step before has retired: its stage is free
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
+            # the MMA of step - 1 has retired: its slot takes step + NUM_STAGES - 1
+            if step + NUM_STAGES - 1 < total_steps:
+                _issue_load(step + NUM_STAGES - 1, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles,
+                            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
-        mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
-        handoff.store(acc)
+        mbarrier.wait(handoff_free, (t & 1) ^ 1)
+        handoff.store(acc.to(handoff.dtype))
         gl.thread_barrier()
         mbarrier.arrive(handoff_ready, count=1)
-        tiles_done += 1
 
 
 @gluon.jit
@@ -115,7 +122,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
         for j in gl.static_range(BLOCK_SIZE_N // EPILOGUE_N):
             cols = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N + gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
             mask = (rows[:, None] < M) & (cols[None, :] < I)
-            dh = handoff.slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(layout)
+            dh = handoff.slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(layout).to(gl.float32)
             if HAS_DH_IN:
                 dh_in = gl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask, other=0.0)
                 dh += dh_in.to(gl.float32)
@@ -153,32 +160,30 @@ def _gated_backward_ws_kernel(
     EPILOGUE_N: gl.constexpr,
     EPILOGUE_WARPS: gl.constexpr,
     EPILOGUE_REGISTERS: gl.constexpr,
+    HANDOFF_FP32: gl.constexpr,
     num_warps: gl.constexpr,
 ):
+    handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dy_desc.dtype
     a_ring = gl.allocate_shared_memory(dy_desc.dtype, [NUM_STAGES] + dy_desc.block_type.shape, dy_desc.layout)
     b_ring = gl.allocate_shared_memory(wd_desc.dtype, [NUM_STAGES] + wd_desc.block_type.shape, wd_desc.layout)
-    handoff = gl.allocate_shared_memory(gl.float32, [BLOCK_SIZE_M, BLOCK_SIZE_N],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32))
+    handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_SIZE_M, BLOCK_SIZE_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_SIZE_M, BLOCK_SIZE_N], handoff_dtype))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
     mbarrier.init(handoff_ready, count=1)
     mbarrier.init(handoff_free, count=1)
 
     gl.warp_specialize([
-        (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
-                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-        (_loader, (dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
-                   BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)),
+        (_mma, (dy_desc, wd_desc, a_ring, b_ring, ready, handoff, handoff_ready, handoff_free, M, I, K,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
         (_epilogue, (handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I,
                      stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
                      HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
                      BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M, NUM_PROGRAMS, EPILOGUE_N, EPILOGUE_WARPS)),
-    ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGISTERS])
+    ], [EPILOGUE_WARPS], [EPILOGUE_REGISTERS])
 
 
 CAPABILITY = KernelCapability("backward_ws", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
@@ -208,10 +213,12 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     gl_dtype = _GL_DTYPES[dtype]
     dy_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl_dtype)
     wd_layout = gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl_dtype)
+    ring_bytes = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
     fixed = dict(
         HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
         NUM_STAGES=config.num_stages, EPILOGUE_N=config.block_n // config.epilogue_subtiles,
         EPILOGUE_WARPS=config.epilogue_warps, EPILOGUE_REGISTERS=config.epilogue_registers,
+        HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES,
         num_warps=config.num_warps,
     )
 
