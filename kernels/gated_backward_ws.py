@@ -207,16 +207,17 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     config: block_m x block_n x block_k tiles, num_stages ring buffers, num_warps MMA warps (4 or
     8); the epilogue group takes config.epilogue_warps warps at config.epilogue_registers
     registers each, in block_n / config.epilogue_subtiles column slices."""
-    if config.block_n % config.epilogue_subtiles or (config.block_n // config.epilogue_subtiles) % GATE_UP_BLOCK:
-        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be a multiple of {GATE_UP_BLOCK}, "
-                         f"got {config.block_n} / {config.epilogue_subtiles}")
+    epilogue_n = config.block_n // config.epilogue_subtiles
+    if config.block_n % config.epilogue_subtiles or epilogue_n not in (8, 16, 32, 64):
+        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8, 16, 32 or 64 columns, got "
+                         f"{config.block_n} / {config.epilogue_subtiles}")
     gl_dtype = _GL_DTYPES[dtype]
     dy_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl_dtype)
     wd_layout = gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl_dtype)
     ring_bytes = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
     fixed = dict(
         HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
-        NUM_STAGES=config.num_stages, EPILOGUE_N=config.block_n // config.epilogue_subtiles,
+        NUM_STAGES=config.num_stages, EPILOGUE_N=epilogue_n,
         EPILOGUE_WARPS=config.epilogue_warps, EPILOGUE_REGISTERS=config.epilogue_registers,
         HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES,
         num_warps=config.num_warps,
