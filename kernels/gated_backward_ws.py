@@ -46,59 +46,55 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 @gluon.jit
-def _issue_load(step, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles,
-                BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
-                GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """The TMA boxes of dY and Wd for this program's flat K step `step` (tile step // k_tiles of
-    its tiles, K step step % k_tiles) into ring slot step % NUM_STAGES."""
+def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
+            BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
+            GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA boxes of dY and Wd into the ring, NUM_STAGES steps ahead of the MMAs."""
     num_pid_m = gl.cdiv(M, BLOCK_SIZE_M)
     num_pid_n = gl.cdiv(I, BLOCK_SIZE_N)
-    tile_id = gl.program_id(0) + (step // k_tiles) * NUM_PROGRAMS
-    ki = step % k_tiles
-    pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
-    s = step % NUM_STAGES
-    mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
-                                    a_ring.index(s))
-    tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
-                                    b_ring.index(s))
+    k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
+    step = 0
+    for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
+        for ki in range(k_tiles):
+            s = step % NUM_STAGES
+            mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
+                                            a_ring.index(s))
+            tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
+                                            b_ring.index(s))
+            step += 1
 
 
 @gluon.jit
-def _mma(dy_desc, wd_desc, a_ring, b_ring, ready, handoff, handoff_ready, handoff_free, M, I, K,
+def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
          BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
-         GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
-         MMA_WARPS: gl.constexpr):
-    """dH tiles by wgmma over the ring, which these warps keep NUM_STAGES - 1 K steps ahead with
-    TMA loads across tile boundaries; each tile is written to the handoff buffer when done."""
+         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+    """dH tiles by wgmma over the ring, each written to the handoff buffer when done."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                          instr_shape=[16, BLOCK_SIZE_N, 16])
     num_tiles = gl.cdiv(M, BLOCK_SIZE_M) * gl.cdiv(I, BLOCK_SIZE_N)
     k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
-    my_tiles = gl.cdiv(num_tiles - gl.program_id(0), NUM_PROGRAMS)
-    total_steps = my_tiles * k_tiles
-    for step in gl.static_range(NUM_STAGES - 1):
-        if step < total_steps:
-            _issue_load(step, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles, BLOCK_SIZE_M, BLOCK_SIZE_N,
-                        BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)
     step = 0
-    for t in range(my_tiles):
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
         acc = gl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32, acc_layout)
         for ki in range(k_tiles):
             s = step % NUM_STAGES
             mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
             acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the MMA of step - 1 has retired: its slot takes step + NUM_STAGES - 1
-            if step + NUM_STAGES - 1 < total_steps:
-                _issue_load(step + NUM_STAGES - 1, dy_desc, wd_desc, a_ring, b_ring, ready, M, I, k_tiles,
-                            BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)
+            # the MMA of the step before has retired: its stage is free
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
             step += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.wait(handoff_free, (t & 1) ^ 1)
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
+        mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
         handoff.store(acc.to(handoff.dtype))
         gl.thread_barrier()
         mbarrier.arrive(handoff_ready, count=1)
+        tiles_done += 1
 
 
 @gluon.jit
@@ -120,13 +116,17 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
         rows = (pid_m * BLOCK_SIZE_M + gl.arange(0, BLOCK_SIZE_M, layout=gl.SliceLayout(1, layout))).to(gl.int64)
         mbarrier.wait(handoff_ready, tiles_done & 1)
         for j in gl.static_range(BLOCK_SIZE_N // EPILOGUE_N):
-            cols = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N + gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+            start = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N
+            slice_cols = gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+            cols = start + slice_cols
+            # the slice lies in one gate/up block of P: its gate columns are contiguous from
+            # start + (start // 16) * 16, its up columns 16 later
+            gate_cols = start + (start // GATE_UP_BLOCK) * GATE_UP_BLOCK + slice_cols
             mask = (rows[:, None] < M) & (cols[None, :] < I)
             dh = handoff.slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(layout).to(gl.float32)
             if HAS_DH_IN:
                 dh_in = gl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask, other=0.0)
                 dh += dh_in.to(gl.float32)
-            gate_cols = (cols + (cols // GATE_UP_BLOCK) * GATE_UP_BLOCK).to(gl.int64)
             p_rows = p_ptr + rows[:, None] * stride_pm
             gate = gl.load(p_rows + gate_cols[None, :] * stride_pn, mask=mask, other=0.0).to(gl.float32)
             up = gl.load(p_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_pn, mask=mask,
@@ -169,22 +169,25 @@ def _gated_backward_ws_kernel(
     handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_SIZE_M, BLOCK_SIZE_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_SIZE_M, BLOCK_SIZE_N], handoff_dtype))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
     mbarrier.init(handoff_ready, count=1)
     mbarrier.init(handoff_free, count=1)
 
     gl.warp_specialize([
-        (_mma, (dy_desc, wd_desc, a_ring, b_ring, ready, handoff, handoff_ready, handoff_free, M, I, K,
-                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
+        (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,
+                BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, NUM_PROGRAMS, NUM_STAGES, num_warps)),
+        (_loader, (dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
+                   BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, NUM_PROGRAMS, NUM_STAGES)),
         (_epilogue, (handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I,
                      stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
                      HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
                      BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M, NUM_PROGRAMS, EPILOGUE_N, EPILOGUE_WARPS)),
-    ], [EPILOGUE_WARPS], [EPILOGUE_REGISTERS])
-
+    ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGISTERS])
 
 CAPABILITY = KernelCapability("backward_ws", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
                               tma=True, gpu_only=True)
@@ -208,8 +211,8 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     8); the epilogue group takes config.epilogue_warps warps at config.epilogue_registers
     registers each, in block_n / config.epilogue_subtiles column slices."""
     epilogue_n = config.block_n // config.epilogue_subtiles
-    if config.block_n % config.epilogue_subtiles or epilogue_n not in (8, 16, 32, 64):
-        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8, 16, 32 or 64 columns, got "
+    if config.block_n % config.epilogue_subtiles or epilogue_n not in (8, 16):
+        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8 or 16 columns (within one gate/up block), got "
                          f"{config.block_n} / {config.epilogue_subtiles}")
     gl_dtype = _GL_DTYPES[dtype]
     dy_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl_dtype)
