@@ -190,11 +190,16 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
             dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h, kernel="backward_tma"), 2),
         "bwd: the same, split kernel (cuBLAS dH, elementwise pass)": (lambda: training.gated_backward(
             dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h, kernel="backward_split"), 2),
+        "bwd: the same, warp-specialized kernel (epilogue beside the next tile's MMAs)": (
+            lambda: training.gated_backward(dy, wd, preact, row.act, dpreact_out=dpreact, h_out=h, kernel="backward_ws"),
+            2),
         "bwd: cuBLAS dY @ Wd alone": (lambda: dy @ wd, 2),
         "bwd: cuBLAS dWd = dY^T @ h": (lambda: dy.t() @ h, 2),
         "bwd: cuBLAS dW = dP^T @ x": (lambda: dpreact.t() @ x, 4),
         "bwd: cuBLAS dx = dP @ W": (lambda: dpreact @ w, 4),
     }
+    if not dispatch.MODULES["backward_ws"].can_run(dy, wd, preact, dpreact, h):  # a Hopper GPU's kernel
+        fns = {name: way for name, way in fns.items() if "warp-specialized" not in name}
     times = timer.many({name: fn for name, (fn, _) in fns.items()})
     return {name: {"ms": t * 1e3, "tflops": mult * m * k * i / t / 1e12} for (name, (_, mult)), t in
             zip(fns.items(), times.values())}

@@ -146,7 +146,8 @@ class KernelCapability:
         dtypes: the dtypes of the tensors it takes.
         tma: reads and writes through TMA descriptors: the call must meet `TMA_NEEDS`.
         one_token: M == 1 only, with whole gate/up blocks (the GEMV).
-        gpu_only: a Gluon kernel: CUDA tensors only, never under the interpreter.
+        gpu_only: a Gluon kernel for Hopper (wgmma): CUDA tensors on a compute-capability 9.x GPU,
+            never under the interpreter.
     """
 
     name: str
@@ -166,15 +167,16 @@ class KernelCapability:
         """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
         alignment; on_gpu: CUDA tensors outside the interpreter); `can_run` in its file decides the
         same on the tensors."""
-        if dtype not in self.dtypes or (self.one_token and (m != 1 or i % GATE_UP_BLOCK)) or (self.gpu_only
-                                                                                               and not on_gpu):
+        if dtype not in self.dtypes or (self.gpu_only and not on_gpu):
+            return False
+        if self.one_token and (m != 1 or i % GATE_UP_BLOCK):
             return False
         return not self.tma or (tma_fits(dtype, i) and tma_aligned)
 
     def needs(self) -> str:
         """What a call must meet, as text for error messages."""
         if self.tma:
-            return TMA_NEEDS + (" on a GPU (a Gluon kernel: not under the interpreter)" if self.gpu_only else "")
+            return TMA_NEEDS + (" on a Hopper GPU (a Gluon kernel: not under the interpreter)" if self.gpu_only else "")
         if self.one_token:
             return f"M == 1 and I % {GATE_UP_BLOCK} == 0"
         return "floating-point tensors in " + "/".join(str(d).replace("torch.", "") for d in self.dtypes)

@@ -35,11 +35,15 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability
-from .device import interpreting, num_sms, tma_operands_ok
+from .device import capability, interpreting, num_sms, tma_operands_ok
 from .jit_common import gated_epilogue_grad, tile_pid
 from .layout import GATE_UP_BLOCK
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on.
+_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` later.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers: the handoff buffer is fp32
 # where it fits beside the ring, else in dY's dtype (dH rounded once more, as the split kernel's).
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
@@ -60,9 +64,9 @@ def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
             s = step % NUM_STAGES
             mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
+            _tma_load(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
                                             a_ring.index(s))
-            tma.async_copy_global_to_shared(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
+            _tma_load(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
                                             b_ring.index(s))
             step += 1
 
@@ -92,7 +96,7 @@ def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, 
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
         mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
         handoff.store(acc.to(handoff.dtype))
-        gl.thread_barrier()
+        _partition_barrier()
         mbarrier.arrive(handoff_ready, count=1)
         tiles_done += 1
 
@@ -139,7 +143,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
                      mask=mask)
             gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
                      mask=mask)
-        gl.thread_barrier()
+        _partition_barrier()
         mbarrier.arrive(handoff_free, count=1)
         tiles_done += 1
 
@@ -195,11 +199,12 @@ CAPABILITY = KernelCapability("backward_ws", ops=("backward",), features=frozens
 
 def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
             h: torch.Tensor, dh_in: torch.Tensor | None = None) -> bool:
-    """CUDA tensors outside the interpreter meeting `configs.TMA_NEEDS` (`device.tma_operands_ok`),
-    as the TMA kernel's (the kernel reads P, dP, h and dh_in with plain loads and stores, so it
-    would take any strides there; the planner's alignment test is one for all operands)."""
-    return dy.is_cuda and not interpreting() and tma_operands_ok(down_weight.shape[1], dy, down_weight, preact,
-                                                                 dpreact, h)
+    """CUDA tensors on a Hopper GPU (wgmma), outside the interpreter, meeting `configs.TMA_NEEDS`
+    (`device.tma_operands_ok`) as the TMA kernel's (the kernel reads P, dP, h and dh_in with plain
+    loads and stores, so it would take any strides there; the planner's alignment test is one
+    for all operands)."""
+    return (dy.is_cuda and not interpreting() and capability(dy.device.index or 0)[0] == 9
+            and tma_operands_ok(down_weight.shape[1], dy, down_weight, preact, dpreact, h))
 
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):

@@ -165,8 +165,17 @@ BACKWARD_KERNELS = ("backward_pointer", "backward_tma", "backward_ws", "backward
 
 BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/train/tune_backward_variants_fp16.json",
                           "h100/train/tune_backward_variants_small_m_bf16.json")
+BACKWARD_WS_H100 = ("h100/train/ws/tune_backward_variants_bf16.json", "h100/train/ws/tune_backward_variants_fp16.json",
+                    "h100/train/ws/tune_backward_variants_small_m_bf16.json")
+WS_CONFIG = C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)
 
 BACKWARD_RULES: tuple[Rule, ...] = (
+    Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, None), sweep=BACKWARD_WS_H100,
+         why="Hopper's wgmma in Gluon with the epilogue of one 128x128 tile overlapping the next tile's MMAs (a TMA "
+             "loader warp, 5 ring stages, an fp32 handoff buffer, 4 epilogue warps): beats the split kernel from M = "
+             "512 on (study, H100: Llama-3-8B 0.754 vs 0.903 ms at M = 4096, 1.530 vs 1.869 at 8192, Gemma-2-9B "
+             "0.700 vs 0.830, fp16 0.784 vs 0.970, M = 2048 0.381 vs 0.444, 512 0.114 vs 0.118; the split wins at "
+             "M = 129-256); Hopper only (wgmma)"),
     Rule("backward_split", C(32, 128, 16, num_warps=4), min_capability=HOPPER, m=(129, None),
          sweep=BACKWARD_VARIANTS_H100,
          why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "
@@ -231,7 +240,7 @@ DEFAULT_CONFIGS: dict[str, C] = {
     # warp-specialized 0.881, group 16 0.906, 3 stages 1.078; docs/training.md): kernel="backward_tma" at M >= 129
     "backward_tma": C(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     "backward_split": BACKWARD_RULES[0].config,
-    "backward_ws": C(128, 128, 64, num_warps=4, num_stages=4, epilogue_subtiles=8),
+    "backward_ws": WS_CONFIG,
 }
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family

@@ -90,6 +90,11 @@ BACKWARD_VARIANTS = [
     ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128, **_Q)),
     ("backward_split", C(32, 128, 16, num_warps=4)), ("backward_split", C(64, 128, 16, num_warps=8)),
     ("backward_split", C(16, 256, 16, num_warps=4)), ("backward_split", C(32, 64, 16, num_warps=4)),
+    # the warp-specialized kernel (Hopper): 4, 5 and 6 ring stages (6: the handoff in 16 bits), group 16
+    ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=4, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=6, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, group_m=16, num_warps=4, num_stages=5, epilogue_subtiles=8)),
 ]
 PREACT_TILES = [
     ("tma", C(128, 128, 64, **_T, split_tail=True)), ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, split_tail=True)),
@@ -181,9 +186,9 @@ SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default
               "midocc": "low-footprint pointer tiles at 17 <= M <= 64",
               "paired": "persistent TMA tiles with 1-4 programs per SM",
               "backward": "training's backward GEMM tiles (default M 4096 8192)",
-              "backward_variants": "training's backward GEMM: fused TMA and split kernels (default M 4096 8192)",
+              "backward_variants": "training's backward GEMM: fused TMA, warp-specialized and split kernels (default M 4096 8192)",
               "preact": "training's forward tiles, P stored (default M 4096 8192)"}
-TMA_KERNELS = ("tma", "grid", "backward_tma")
+TMA_KERNELS = ("tma", "grid", "backward_tma", "backward_ws")  # these need a Hopper GPU
 
 
 def label(kernel: str, config: C) -> str:

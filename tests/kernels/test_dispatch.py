@@ -120,7 +120,7 @@ def test_explain_op_on_the_command_line(capsys):
     assert len(err.strip().splitlines()) == 1 and "--op must be one of forward," in err and "'backwards'" in err
     assert main(["explain", "--op", "backward", "--m", "4096", "--k", "4096", "--i", "14336"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("backward call") and "backward_split" in out.split("CHOSEN")[0].splitlines()[-1]
+    assert out.startswith("backward call") and "backward_ws" in out.split("CHOSEN")[0].splitlines()[-1]
     assert main(["explain", "--op", "forward_low_rank_preact", "--m", "1", "--k", "4096", "--i", "14336"]) == 0
     out = capsys.readouterr().out
     assert "gemv" in out and "the gemv kernel has no store_preact" in out

@@ -1,7 +1,8 @@
-"""The backward GEMM's split kernel (`gated_backward_split.py`) and the TMA kernel's epilogue in four
-slices against float64: dP and h within twice eager's same-dtype error, in place or not, edge
-tiles, every epilogue, dh_in. On CPU they run under TRITON_INTERPRET=1 in fp32 and fp16 (the TMA
-kernel in fp16 only)."""
+"""The backward GEMM's split kernel (`gated_backward_split.py`), the warp-specialized kernel
+(`gated_backward_ws.py`, on a Hopper GPU only) and the TMA kernel's epilogue in four slices against
+float64: dP and h within twice eager's same-dtype error, in place or not, edge tiles, every
+epilogue at input scales 1 and 30, dh_in. On CPU they run under TRITON_INTERPRET=1 in fp32 and
+fp16 (the TMA kernel in fp16 only)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from swiglu_patch.kernels.dispatch import MODULES, gated_backward
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.layout import split_interleaved
 
-SMALL = {"backward_split": C(16, 32, 16, num_warps=4)}
-DTYPES = {"backward_split": [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])}
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
+SMALL = {"backward_split": C(16, 32, 16, num_warps=4), **({"backward_ws": None} if HOPPER else {})}
+DTYPES = {"backward_split": [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []),
+          "backward_ws": [torch.bfloat16, torch.float16]}
 EPILOGUES = [GatedEpilogue("silu"), GatedEpilogue("silu", gate_scale=0.8839, out_scale=0.5859),
              GatedEpilogue("silu", limit=1.0, clamp="gate"), GatedEpilogue("gelu_tanh", gate_scale=2.0, limit=2.5),
              GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation")]
 
 
-def _case(m, k, i, dtype):
+def _case(m, k, i, dtype, scale=1.0):
     dy = torch.randn(m, k, device=DEVICE).to(dtype)
     wd = (torch.randn(k, i, device=DEVICE) / i**0.5).to(dtype)
-    preact = torch.randn(m, 2 * i, device=DEVICE).to(dtype)
+    preact = (scale * torch.randn(m, 2 * i, device=DEVICE)).to(dtype)
     return dy, wd, preact
 
 
@@ -60,6 +63,9 @@ def _run(kernel, dy, wd, preact, epilogue, in_place, dh_in=None):
 # (kernel, m, k, i): edge tiles in M and I, I not a multiple of 16, K past one step
 SHAPES = [("backward_split", 1, 64, 48), ("backward_split", 7, 50, 37), ("backward_split", 37, 72, 80),
           ("backward_split", 199, 130, 100)]
+if HOPPER:  # TMA needs K % 8 == 0 and I % 16 == 0; 128-row tiles, 64-deep K steps: tails in M, I and K
+    SHAPES += [("backward_ws", 1, 64, 48), ("backward_ws", 7, 40, 128), ("backward_ws", 199, 136, 80),
+               ("backward_ws", 300, 1032, 400), ("backward_ws", 1000, 512, 2064)]
 
 
 @pytest.mark.parametrize("kernel,m,k,i", SHAPES)
@@ -73,8 +79,9 @@ def test_backward_variant_matches_float64(kernel, m, k, i, in_place):
 
 @pytest.mark.parametrize("kernel", list(SMALL))
 @pytest.mark.parametrize("epilogue", EPILOGUES, ids=lambda e: repr(e)[:60])
-def test_backward_variant_computes_every_epilogue(kernel, epilogue):
-    dy, wd, preact = _case(37, 72, 64, DTYPES[kernel][0])
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: clamps clip
+def test_backward_variant_computes_every_epilogue(kernel, epilogue, scale):
+    dy, wd, preact = _case(37, 72, 64, DTYPES[kernel][0], scale)
     dpreact, h, saved = _run(kernel, dy, wd, preact, epilogue, in_place=True)
     _check(dpreact, h, dy, wd, saved, epilogue)
 

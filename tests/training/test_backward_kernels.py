@@ -253,8 +253,11 @@ def test_every_backward_call_gets_a_rule_its_kernel_can_run(gpu):
                 chosen = next(line for line in text.splitlines() if "CHOSEN" in line)
                 if "backward_tma" in chosen:
                     assert "H100" in gpu and dtype != torch.float32 and i % 16 == 0 and aligned and m >= 65, text
-    text = explain("NVIDIA H100 80GB HBM3", torch.bfloat16, 4096, 4096, 14336, op="backward")
-    assert "backward_split" in next(line for line in text.splitlines() if "CHOSEN" in line)
+                if "backward_ws" in chosen:
+                    assert "H100" in gpu and dtype != torch.float32 and i % 16 == 0 and aligned and m > 512, text
+    for m, kernel in ((4096, "backward_ws"), (513, "backward_ws"), (512, "backward_split"), (129, "backward_split")):
+        text = explain("NVIDIA H100 80GB HBM3", torch.bfloat16, m, 4096, 14336, op="backward")
+        assert kernel in next(line for line in text.splitlines() if "CHOSEN" in line), text
 
 
 def test_backward_errors():

@@ -1,0 +1,62 @@
+"""The warp-specialized backward kernel (`gated_backward_ws.py`, Gluon, Hopper) where no GPU is: it
+compiles for sm_90a with the rules' config inside Hopper's shared memory and without register
+spills, and a call it cannot take is refused by name. Its numerics run on the GPU, in
+`test_gated_backward_variants.py` (every shape, epilogue, dtype and dh_in against float64)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from swiglu_patch.kernels import gated_backward_ws as ws
+from swiglu_patch.kernels.configs import GatedGemmConfig as C
+from swiglu_patch.kernels.dispatch import gated_backward
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.kernels.rules import BACKWARD_RULES, DEFAULT_CONFIGS
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+RULE = next(r for r in BACKWARD_RULES if r.kernel == "backward_ws")
+
+
+@pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
+@pytest.mark.parametrize("dtype,activation,has_dh_in", [(torch.bfloat16, "silu", False),
+                                                          (torch.float16, "gelu_tanh", True)])
+def test_rule_config_compiles_for_hopper_without_spills(dtype, activation, has_dh_in, tmp_path):
+    # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    args = [sys.executable, str(Path(__file__).with_name("ws_compile.py")), str(dtype).replace("torch.", ""),
+            activation, str(int(has_dh_in)), str(tmp_path / "kernel.cubin")]
+    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    assert result["HANDOFF_FP32"], "the rule's 5-stage ring leaves room for the fp32 handoff"
+    assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                           check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
+    assert " STACK:0 " in usage and " LOCAL:0 " in usage, usage
+
+
+def test_the_rule_is_hopper_only_and_the_default_config():
+    assert RULE.gpus and all("H" in g for g in RULE.gpus) and RULE.min_capability == (9, 0)
+    assert DEFAULT_CONFIGS["backward_ws"] == RULE.config
+    assert RULE.m[0] > 256, "the split kernel measured faster at M = 129-256"
+
+
+def test_a_cpu_call_is_refused_by_name():
+    dy, wd, p = torch.randn(64, 64, dtype=torch.float16), torch.randn(64, 48, dtype=torch.float16), torch.randn(
+        64, 96, dtype=torch.float16)
+    with pytest.raises(ValueError, match="backward_ws.*Hopper GPU"):
+        gated_backward(dy, wd, p, "silu", kernel="backward_ws")
+
+
+def test_epilogue_slices_must_stay_inside_one_gate_up_block():
+    epilogue = dict(GatedEpilogue.of("silu").constexprs(), APPROX_TANH=False)
+    for subtiles in (2, 4, 3):
+        with pytest.raises(ValueError, match="8 or 16 columns"):
+            ws.make_launcher(C(128, 128, 64, epilogue_subtiles=subtiles), epilogue, torch.float16)
+    ws.make_launcher(C(128, 128, 64, epilogue_subtiles=16), epilogue, torch.float16)
