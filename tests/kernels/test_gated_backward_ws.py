@@ -60,3 +60,10 @@ def test_epilogue_slices_must_stay_inside_one_gate_up_block():
         with pytest.raises(ValueError, match="8 or 16 columns"):
             ws.make_launcher(C(128, 128, 64, epilogue_subtiles=subtiles), epilogue, torch.float16)
     ws.make_launcher(C(128, 128, 64, epilogue_subtiles=16), epilogue, torch.float16)
+
+
+def test_each_backward_kernels_default_config_is_its_own_rules():
+    """A forced kernel without a config takes a config of its own rules (the split kernel once took the
+    warp-specialized kernel's 128x128 tile as its elementwise tile: 10x slower)."""
+    for kernel in ("backward_split", "backward_ws"):
+        assert DEFAULT_CONFIGS[kernel] in [r.config for r in BACKWARD_RULES if r.kernel == kernel], kernel
