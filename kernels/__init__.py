@@ -10,7 +10,8 @@ Modules, leaves first (each imports only modules above it in this list):
   `operands`: the entry points' checks on their tensors;
 - one kernel, its launcher and its ``CAPABILITY`` per file: `gated_gemm_pointer`,
   `gated_gemm_tma`, `gated_gemm_tma_grid`, `gated_gemv` (forward), `gated_backward_pointer`,
-  `gated_backward_tma` (training: dY @ W_down with the gated derivative in the epilogue);
+  `gated_backward_tma`, `gated_backward_ws` (Gluon, Hopper), `gated_backward_split` (training:
+  dY @ W_down with the gated derivative in the epilogue);
 - `rules`: which kernel runs which call, one table per op family (`TABLES`); `dispatch`: the
   planner and every entry point (`gated_gemm`, `gated_gemm_with_preact`, `gated_gemm_low_rank`,
   `gated_backward`), with `explain` and `choose`.

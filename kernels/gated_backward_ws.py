@@ -9,21 +9,27 @@ three groups of warps that hand work on through shared memory and mbarriers:
 - the loader (1 warp): per K step, one [BLOCK_SIZE_M, BLOCK_SIZE_K] TMA box of dY [M, K] and
   one [BLOCK_SIZE_K, BLOCK_SIZE_N] box of Wd [K, I] into a ring of NUM_STAGES buffers;
 - the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
-  accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH, written when the tile is done into one fp32
-  shared buffer of the same shape (the handoff);
+  accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH, written when the tile is done into one
+  shared buffer of the same shape (the handoff: fp32 where it fits beside the ring, else in
+  dY's dtype, `SHARED_MEMORY_BYTES`);
 - the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [BLOCK_SIZE_M, EPILOGUE_N]
-  column slices, adds dh_in there (HAS_DH_IN), reads the slice's gate and up columns of P
-  (plain loads: gate column i at 2*16*(i // 16) + i % 16, up 16 later), and writes h and dP
-  (over P when dP is P: each element is read before it is written, by the same thread).
+  column slices (EPILOGUE_N 8 or 16: a slice lies in one 16-column gate/up block of P, so its
+  gate columns are contiguous from c + 16 * (c // 16) for a slice starting at output column c,
+  and its up columns 16 later: 16-byte loads and stores), adds dh_in there (HAS_DH_IN), and
+  writes h and dP (over P when dP is P: each element is read before it is written, by the same
+  thread).
 
 The MMA group starts the next tile while the epilogue group works through the handoff; it
-waits only if the epilogue is a whole tile behind. dH stays in fp32 to the derivative, as in
-the other fused kernels.
+waits only if the epilogue is a whole tile behind. With the fp32 handoff (the rules' config) dH
+stays in fp32 to the derivative, as in the other fused kernels.
 
 TMA needs dY and Wd 16-bit, unit inner strides, 16-byte-aligned rows and base pointers, and
-I % 16 == 0 (`can_run`); out-of-bounds TMA reads are zeros, so any M and K work. P, dP, h and
-dh_in take any strides. Gluon kernels run on the GPU only (no interpreter): the planner picks
-this kernel on Hopper only (`rules.BACKWARD_RULES`).
+I % 16 == 0; out-of-bounds TMA reads are zeros, so any M and K work. The kernel reads P, dP, h
+and dh_in by pointer (any strides); `can_run` asks the TMA kernels' alignment of all of them, as
+the planner's test is one for every operand. Gluon kernels run on the GPU only (no
+interpreter), and wgmma on Hopper only: the planner picks this kernel there
+(`rules.BACKWARD_RULES`). Written against Triton 3.6's Gluon; the two names that changed by
+3.9 are aliased below. H100 measurements: docs/training.md ("The warp-specialized kernel").
 """
 
 from __future__ import annotations
@@ -40,9 +46,9 @@ from .jit_common import gated_epilogue_grad, tile_pid
 from .layout import GATE_UP_BLOCK
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on.
+# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` later.
+# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers: the handoff buffer is fp32
 # where it fits beside the ring, else in dY's dtype (dH rounded once more, as the split kernel's).

@@ -171,11 +171,11 @@ WS_CONFIG = C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)
 
 BACKWARD_RULES: tuple[Rule, ...] = (
     Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, None), sweep=BACKWARD_WS_H100,
-         why="Hopper's wgmma in Gluon with the epilogue of one 128x128 tile overlapping the next tile's MMAs (a TMA "
-             "loader warp, 5 ring stages, an fp32 handoff buffer, 4 epilogue warps): beats the split kernel from M = "
-             "512 on (study, H100: Llama-3-8B 0.754 vs 0.903 ms at M = 4096, 1.530 vs 1.869 at 8192, Gemma-2-9B "
-             "0.700 vs 0.830, fp16 0.784 vs 0.970, M = 2048 0.381 vs 0.444, 512 0.114 vs 0.118; the split wins at "
-             "M = 129-256); Hopper only (wgmma)"),
+         why="Hopper's wgmma in Gluon, the epilogue of one 128x128 tile beside the next tile's MMAs (a TMA loader warp, "
+             "5 ring stages, an fp32 handoff buffer, 4 epilogue warps): the fastest backward kernel from M = 512 on "
+             "(H100 sweep: Llama-3-8B 0.760 vs the split's 0.876 ms at M = 4096, 1.509 vs 1.796 at 8192, Gemma-2-9B "
+             "0.703 vs 0.782 and 1.427 vs 1.605, fp16 0.781 vs 0.907, M = 1024 0.195 vs 0.223, 512 0.114 vs 0.118; "
+             "cuBLAS's dH alone 0.697 at M = 4096); the split wins at M = 256 (0.060 vs 0.069); Hopper only (wgmma)"),
     Rule("backward_split", C(32, 128, 16, num_warps=4), min_capability=HOPPER, m=(129, None),
          sweep=BACKWARD_VARIANTS_H100,
          why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "
