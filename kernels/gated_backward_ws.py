@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability
 from .device import capability, interpreting, num_sms, tma_operands_ok
 from .jit_common import gated_epilogue_grad, tile_pid
+from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -215,16 +216,17 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
 
 def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, has_dh_in: bool = False):
     """A launcher `(dy [M, K], down_weight [K, I], preact [M, 2*I], dpreact [M, 2*I], h [M, I], dh_in)`
-    running one persistent program per SM, writing dP (may be preact itself) and h; the tensors
-    passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without.
+    running one persistent program per SM (launched by `FastLaunch`: the descriptors go through
+    Triton's compiled launcher without its per-call binding), writing dP (may be preact itself) and
+    h; the tensors passed `can_run`; dh_in [M, I] must be given with has_dh_in, None without.
 
     config: block_m x block_n x block_k tiles, num_stages ring buffers, num_warps MMA warps (4 or
     8); the epilogue group takes config.epilogue_warps warps at config.epilogue_registers
     registers each, in block_n / config.epilogue_subtiles column slices."""
     epilogue_n = config.block_n // config.epilogue_subtiles
     if config.block_n % config.epilogue_subtiles or epilogue_n not in (8, 16):
-        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8 or 16 columns (within one gate/up block), got "
-                         f"{config.block_n} / {config.epilogue_subtiles}")
+        raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8 or 16 columns (within one "
+                         f"gate/up block), got {config.block_n} / {config.epilogue_subtiles}")
     gl_dtype = _GL_DTYPES[dtype]
     dy_layout = gl.NVMMASharedLayout.get_default_for([config.block_m, config.block_k], gl_dtype)
     wd_layout = gl.NVMMASharedLayout.get_default_for([config.block_k, config.block_n], gl_dtype)
@@ -237,6 +239,8 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
         num_warps=config.num_warps,
     )
 
+    kernels: dict[int, FastLaunch] = {}  # programs -> launcher
+
     def launch(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dpreact: torch.Tensor,
                h: torch.Tensor, dh_in: torch.Tensor | None = None) -> None:
         if has_dh_in and dh_in is None:
@@ -244,12 +248,16 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
         dh = dh_in if has_dh_in else h  # not read without HAS_DH_IN
         m, k = dy.shape
         i = down_weight.shape[1]
+        index = dy.device.index or 0
+        programs = num_sms(index)
+        kernel = kernels.get(programs)
+        if kernel is None:  # a constant NUM_PROGRAMS per device compiles once whatever the tile count
+            kernel = kernels[programs] = FastLaunch(_gated_backward_ws_kernel, dict(fixed, NUM_PROGRAMS=programs))
         dy_desc = TensorDescriptor(dy, [m, k], [dy.stride(0), 1], [config.block_m, config.block_k], dy_layout)
         wd_desc = TensorDescriptor(down_weight, [k, i], [down_weight.stride(0), 1], [config.block_k, config.block_n],
                                    wd_layout)
-        programs = num_sms(dy.device.index or 0)
-        _gated_backward_ws_kernel[(programs,)](
-            dy_desc, wd_desc, preact, dpreact, h, dh, m, i, k, *preact.stride(), *dpreact.stride(), *h.stride(),
-            *dh.stride(), NUM_PROGRAMS=programs, **fixed)
+        kernel(programs, index, dy_desc, wd_desc, preact, dpreact, h, dh, m, i, k, *preact.stride(), *dpreact.stride(),
+               *h.stride(), *dh.stride())
 
+    launch.constexprs = fixed  # what the kernel compiles with, less NUM_PROGRAMS (tests compile it without a GPU)
     return launch

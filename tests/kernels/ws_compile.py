@@ -36,8 +36,7 @@ def compile_for_hopper(config: C, dtype: torch.dtype, activation: str, has_dh_in
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     launch = ws.make_launcher(config, dict(GatedEpilogue.of(activation).constexprs(), APPROX_TANH=True), dtype,
                               has_dh_in)
-    fixed = dict(launch.__closure__[[c.cell_contents.__class__ for c in launch.__closure__].index(dict)].cell_contents,
-                 NUM_PROGRAMS=132, stride_pn=1, stride_dpn=1, stride_hi=1, stride_dhi=1)
+    fixed = dict(launch.constexprs, NUM_PROGRAMS=132, stride_pn=1, stride_dpn=1, stride_hi=1, stride_dhi=1)
     runtime = dict(dy_desc=TensorDescriptor.from_tensor(dy, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)),
                    wd_desc=TensorDescriptor.from_tensor(wd, [bk, bn], gl.NVMMASharedLayout.get_default_for([bk, bn], gdt)),
                    p_ptr=p, dp_ptr=p, h_ptr=h, dh_ptr=h, M=m, I=i, K=k, stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
