@@ -71,10 +71,8 @@ def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
             s = step % NUM_STAGES
             mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
-            _tma_load(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s),
-                                            a_ring.index(s))
-            _tma_load(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s),
-                                            b_ring.index(s))
+            _tma_load(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s), a_ring.index(s))
+            _tma_load(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s), b_ring.index(s))
             step += 1
 
 
@@ -210,7 +208,8 @@ def can_run(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, d
     (`device.tma_operands_ok`) as the TMA kernel's (the kernel reads P, dP, h and dh_in with plain
     loads and stores, so it would take any strides there; the planner's alignment test is one
     for all operands)."""
-    return (dy.is_cuda and not interpreting() and capability(dy.device.index or 0)[0] == 9
+    return (dy.is_cuda and not interpreting() and dy.shape[1] > 0 and down_weight.shape[1] > 0  # boxes need K, I > 0
+            and capability(dy.device.index or 0)[0] == 9
             and tma_operands_ok(down_weight.shape[1], dy, down_weight, preact, dpreact, h))
 
 
