@@ -157,6 +157,7 @@ RULES: tuple[Rule, ...] = (
 
 # -- the backward GEMM dH = dY @ Wd with the gated derivative in its epilogue (training) ---------
 # Kernels: `gated_backward_pointer.py`, `gated_backward_tma.py` (fused: dH stays in registers),
+# `gated_backward_ws.py` (Gluon, Hopper: the epilogue beside the next tile's MMAs),
 # `gated_backward_split.py` (cuBLAS writes dH, then an elementwise pass). The forward of training
 # (storing the pre-activation P) and LoRA's low-rank forward take `RULES`, skipping kernels without
 # that feature (each kernel file's CAPABILITY says which it has).
