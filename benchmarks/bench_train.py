@@ -16,7 +16,9 @@ the rest run:
    saved MiB (memory allocated after the forward, less the output, above what was allocated
    before: inputs and weights excluded), peak MiB (max allocated during forward + backward above
    the same base: the weight gradients count; the step and both memories: `harness/fwd_bwd.py`),
-   ratios to HF eager, and the targets per row.
+   ratios to HF eager, and the targets per row. Timed with them, as a bound and not a way: the
+   six GEMMs of a forward + backward alone (`train_mlps.gemm_floor_module`), the time below
+   which no design on cuBLAS-speed GEMMs goes.
 3. parts: each kernel and GEMM of our forward and backward alone, through the public entry
    points (`gated_gemm`, `gated_gemm_with_preact`, `gated_backward`), against the cuBLAS GEMM
    of the same shape (what the fused epilogues cost); skipped past --budget-s.
@@ -47,11 +49,12 @@ from .harness.cli import Parser, guarded, require_device, write_json
 from .harness.fwd_bwd import MIB, memory_of, step_fn
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
-from .harness.train_mlps import eager_module, liger_modules, ours_module
+from .harness.train_mlps import eager_module, gemm_floor_module, liger_modules, ours_module
 
 PROG = "python -m benchmarks.bench_train"
 EPS = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
 GRADS = ("y", "dx", "dW_gate_up", "db_gate_up", "dW_down", "db_down")
+FLOOR = "floor: the six GEMMs alone"  # a row's cuBLAS GEMMs with nothing between them: not a way, a bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +220,8 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
     ways = {"hf_eager": eager}
     if device.type == "cuda":
         ways |= {n: m for n, m in liger_modules(row.act, config, eager).items() if liger_mlp or "LigerMLP" not in n}
-    ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute")}
+    ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute"),
+             FLOOR: gemm_floor_module(eager)}
     x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(row.m, row.k, device=device, dtype=dtype)
     results, steps = {}, {}
@@ -249,7 +253,7 @@ def targets(row: Row, ways: dict) -> dict:
     """The training targets, each True/False (None where a number is missing)."""
     elem = 2 if row.dtype != "float32" else 4
     store, rec, eager = ways.get("ours_store", {}), ways.get("ours_recompute", {}), ways.get("hf_eager", {})
-    others = [r["ms"] for n, r in ways.items() if not n.startswith("ours") and "ms" in r]
+    others = [r["ms"] for n, r in ways.items() if not n.startswith("ours") and n != FLOOR and "ms" in r]
     elementwise = next((r for n, r in ways.items() if n.startswith(("liger_swiglu", "liger_geglu")) and "peak_mib" in r),
                        None)
 
@@ -310,6 +314,10 @@ def render(results: dict) -> str:
                          f"{_fmt(v.get('saved_mib'), '.0f')} | {_fmt(v.get('peak_mib'), '.0f')} |")
         lines += [""] + [f"- {'MET' if ok else ('MISSED' if ok is False else 'n/a')}: {t}" for t, ok in
                          r["targets"].items()]
+        floor = r["ways"].get(FLOOR, {})
+        if "vs_eager" in floor:
+            lines.append(f"- floor: the six GEMMs alone (cuBLAS, no elementwise op) take {floor['vs_eager']:.3f} x HF "
+                         "eager's time; a ratio below it needs GEMMs faster than cuBLAS's")
     return "\n".join(lines) + "\n"
 
 

@@ -7,6 +7,9 @@ weights: x [M, K] -> y [M, K] in the weights' dtype.
   interleaved into one [2I, K] parameter, in "store" (P [M, 2I] saved) or "recompute" mode.
 - `liger_modules`: Liger-Kernel's MLP classes for the activation, loaded with the eager
   module's state dict (`LigerSwiGLUMLP` and `LigerMLP` for silu, `LigerGEGLUMLP` otherwise).
+- `gemm_floor_module`: not an MLP. The six GEMMs of a gated MLP's forward + backward alone, at
+  cuBLAS's speed, with no activation, derivative or other elementwise op: the time any design
+  built on cuBLAS-speed GEMMs cannot go below. Its gradients are not the MLP's.
 
 transformers, swiglu_patch and Liger are imported only when a module is built, never at import.
 """
@@ -81,3 +84,41 @@ def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+class _SixGemms(torch.autograd.Function):
+    """Forward: P = x @ W^T [M, 2I], y = P[:, :I] @ Wd^T [M, K]. Backward: dH = dY @ Wd [M, I],
+    dWd = dY^T @ P[:, :I], dW = P^T @ x, dx = P @ W, P standing in for dP (the shapes and
+    strides of the MLP's GEMMs; the values are not its gradients)."""
+
+    @staticmethod
+    def forward(ctx, x, w, wd):
+        p = torch.nn.functional.linear(x, w)
+        ctx.save_for_backward(x, w, wd, p)
+        return torch.nn.functional.linear(p[:, : wd.shape[1]], wd)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, wd, p = ctx.saved_tensors
+        dh = dy @ wd
+        dwd = dy.t() @ p[:, : wd.shape[1]]
+        del dh
+        return p @ w, p.t() @ x, dwd
+
+
+def gemm_floor_module(eager: torch.nn.Module) -> torch.nn.Module:
+    """`_SixGemms` on copies of eager's weights ([2I, K] gate and up stacked, [K, I] down), for
+    2-D x [M, K]: the GEMM time of one forward + backward, nothing else."""
+
+    class SixGemms(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            with torch.no_grad():
+                w = torch.cat([eager.gate_proj.weight, eager.up_proj.weight])
+            self.gate_up = torch.nn.Parameter(w)
+            self.down = torch.nn.Parameter(eager.down_proj.weight.detach().clone())
+
+        def forward(self, x):
+            return _SixGemms.apply(x, self.gate_up, self.down)
+
+    return SixGemms()

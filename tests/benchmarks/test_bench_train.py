@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_train import MIB, Row, main, targets
+from benchmarks.bench_train import FLOOR, MIB, Row, main, render, targets
 
 ROW = Row("llama-3-8b", 4096, 14336, "silu", 4096, "bfloat16")
 
@@ -27,6 +27,42 @@ def test_targets_by_hand():
     t = targets(ROW, ways)
     assert t["store: saved <= 2*M*I*2 bytes"] is False and t["store: faster than every other way"] is False
     assert targets(ROW, {"hf_eager": {"error": "x"}})["store: time <= 0.95 x HF eager"] is None
+
+
+def test_the_floor_is_a_bound_not_a_way_and_the_report_names_its_ratio():
+    ways = {"hf_eager": {"ms": 6.0, "vs_eager": 1.0}, "ours_store": {"ms": 5.6, "vs_eager": 5.6 / 6},
+            FLOOR: {"ms": 5.4, "vs_eager": 0.9}}
+    assert targets(ROW, ways)["store: faster than every other way"] is True  # the floor is not a rival
+    results = {"environment": {"gpu": {"name": "g"}, "versions": {}, "git": {}},
+               "table": [{"row": ROW.__dict__, "ways": ways, "targets": targets(ROW, ways)}]}
+    assert "- floor: the six GEMMs alone (cuBLAS, no elementwise op) take 0.900 x HF eager's time" in render(results)
+
+
+def test_the_floor_runs_the_six_gemms_of_the_mlp_and_nothing_else():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks.harness.train_mlps import eager_module, gemm_floor_module
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    eager, _ = eager_module("silu", 32, 48, "cpu", torch.float32)
+    floor = gemm_floor_module(eager)
+    x = torch.randn(5, 32, requires_grad=True)
+    with Ops() as ops:
+        floor(x).backward(torch.randn(5, 32))
+    gemms = [n for n in ops.names if n in ("mm", "addmm", "bmm", "matmul", "linear")]
+    assert len(gemms) == 6, ops.names
+    elementwise = {"silu", "gelu", "mul", "add", "sigmoid", "tanh", "cat"}
+    assert not elementwise & set(ops.names), ops.names
+    assert x.grad.shape == x.shape and floor.gate_up.grad.shape == (96, 32) and floor.down.grad.shape == (32, 48)
 
 
 @pytest.mark.slow
