@@ -18,7 +18,9 @@ the rest run:
    the same base: the weight gradients count; the step and both memories: `harness/fwd_bwd.py`),
    ratios to HF eager, and the targets per row. Timed with them, as a bound and not a way: the
    six GEMMs of a forward + backward alone (`train_mlps.gemm_floor_module`), the time below
-   which no design on cuBLAS-speed GEMMs goes.
+   which no design on cuBLAS-speed GEMMs goes. The SM clock and board power while the row
+   is timed (`harness/gpu_clock.py`): at the power cap the clock falls and a step's time follows
+   the energy it spends.
 3. parts: each kernel and GEMM of our forward and backward alone, through the public entry
    points (`gated_gemm`, `gated_gemm_with_preact`, `gated_backward`), against the cuBLAS GEMM
    of the same shape (what the fused epilogues cost); skipped past --budget-s.
@@ -47,6 +49,7 @@ from pathlib import Path
 from .harness.accuracy import rel_error
 from .harness.cli import Parser, guarded, require_device, write_json
 from .harness.fwd_bwd import MIB, memory_of, step_fn
+from .harness.gpu_clock import ClockSampler, describe
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
 from .harness.train_mlps import eager_module, gemm_floor_module, liger_modules, ours_module
@@ -238,7 +241,9 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()
-    for name, t in timer.many(steps).items():
+    with ClockSampler(device.index or 0) as clock:
+        times = timer.many(steps)
+    for name, t in times.items():
         results[name]["ms"] = t * 1e3
     eager_ms = results["hf_eager"].get("ms")
     for r in results.values():
@@ -246,7 +251,7 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
             r["vs_eager"] = r["ms"] / eager_ms
     del ways, steps
     _free(device)
-    return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results)}
+    return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results), "clock": clock.summary()}
 
 
 def targets(row: Row, ways: dict) -> dict:
@@ -318,6 +323,8 @@ def render(results: dict) -> str:
         if "vs_eager" in floor:
             lines.append(f"- floor: the six GEMMs alone (cuBLAS, no elementwise op) take {floor['vs_eager']:.3f} x HF "
                          "eager's time; a ratio below it needs GEMMs faster than cuBLAS's")
+        if describe(r.get("clock")):
+            lines.append(f"- {describe(r['clock'])}")
     return "\n".join(lines) + "\n"
 
 
