@@ -185,7 +185,8 @@ class DoBenchTimer:
 
 class EventTimer:
     """Median seconds per call of eager calls bracketed by CUDA events (perf_counter on CPU),
-    `warmup` untimed calls each, then `rounds` rounds in which every callable runs `reps` times.
+    `warmup` untimed calls each, then `rounds` rounds in which every callable runs `reps` times,
+    in the given order in even rounds and reversed in odd ones.
 
     Args:
         cuda: time with CUDA events (else perf_counter).
@@ -199,7 +200,8 @@ class EventTimer:
     def describe(self) -> str:
         how = "CUDA events around eager calls" if self.cuda else "CPU perf_counter (numbers mean nothing)"
         return (f"{how}, {self.warmup} warm-up calls, {self.reps} timed calls per way in each of "
-                f"{self.rounds} rounds, ways interleaved, median; no graph, no L2 flush")
+                f"{self.rounds} rounds, ways interleaved (order reversed every other round), median; no graph, "
+                "no L2 flush")
 
     def many(self, fns: dict[str, Fn]) -> dict[str, float]:
         """{key: median seconds per call} of every callable, timed interleaved."""
@@ -210,8 +212,9 @@ class EventTimer:
         for fn in fns.values():
             for _ in range(self.warmup):
                 fn()
-        for _ in range(self.rounds):
-            for key, fn in fns.items():
+        for r in range(self.rounds):
+            # order reversed every other round: at a GPU's power cap a way's time depends on the way before it
+            for key, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
                 if self.cuda:
                     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                               for _ in range(self.reps)]

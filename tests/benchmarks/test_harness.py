@@ -15,7 +15,7 @@ from benchmarks.harness.accuracy import REL_ERR_BOUNDS, Reference, activation_f6
 from benchmarks.harness.models import MODELS, TINY, build_model, mlps
 from benchmarks.harness.roofline import Peaks, floor_seconds, gated_flops, measure_peaks, min_bytes
 from benchmarks.harness.shapes import SHAPES, TOKENS, select_shapes
-from benchmarks.harness.timing import CpuTimer, GraphTimer, gpu_timer
+from benchmarks.harness.timing import CpuTimer, EventTimer, GraphTimer, gpu_timer
 
 
 # ---------------------------------------------------------------- shape table
@@ -121,6 +121,13 @@ def test_cpu_timer_many_times_each_callable():
 
 
 @pytest.mark.gpu
+def test_event_timer_reverses_the_order_every_other_round():
+    calls = []
+    out = EventTimer(cuda=False, reps=2, rounds=3, warmup=0).many({"a": lambda: calls.append("a"),
+                                                                   "b": lambda: calls.append("b")})
+    assert calls == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"] and set(out) == {"a", "b"}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GraphTimer captures CUDA graphs: needs a GPU")
 def test_graph_timer_captures_and_falls_back_for_a_host_sync():
     timer = GraphTimer(warmup_ms=1, rep_ms=5, rounds=2)
