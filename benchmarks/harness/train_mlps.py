@@ -6,7 +6,8 @@ weights: x [M, K] -> y [M, K] in the weights' dtype.
 - `ours_module`: `swiglu_patch.training.gated_mlp` on the eager module's weights, gate and up
   interleaved into one [2I, K] parameter, in "store" (P [M, 2I] saved) or "recompute" mode.
 - `liger_modules`: Liger-Kernel's MLP classes for the activation, loaded with the eager
-  module's state dict (`LigerSwiGLUMLP` and `LigerMLP` for silu, `LigerGEGLUMLP` otherwise).
+  module's state dict (`LigerSwiGLUMLP` and `LigerMLP` for silu, `LigerGEGLUMLP` otherwise);
+  LigerMLP takes [B, S, K] only and runs on x as [1, M, K] (`Batched`).
 - `gemm_floor_module`: not an MLP. The six GEMMs of a gated MLP's forward + backward alone, at
   cuBLAS's speed, with no activation, derivative or other elementwise op: the time any design
   built on cuBLAS-speed GEMMs cannot go below. Its gradients are not the MLP's.
@@ -58,6 +59,18 @@ def ours_module(eager: torch.nn.Module, act: str, mode: str) -> torch.nn.Module:
     return OursMLP()
 
 
+class Batched(torch.nn.Module):
+    """`inner` (a module that takes only [B, S, K] input: LigerMLP's fused kernels do) on 2-D
+    x [M, K] as [1, M, K], its output back to [M, K]; other inputs pass through unchanged."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x.unsqueeze(0)).squeeze(0) if x.dim() == 2 else self.inner(x)
+
+
 def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
     """{name: module} of the Liger MLPs for act, built from config and loaded with eager's
     weights; {name: error message} where one is unavailable ({"liger": ...} if not installed)."""
@@ -80,7 +93,7 @@ def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
             with torch.device(weight.device):
                 mod = getattr(importlib.import_module(module_name), cls)(config).to(weight.dtype)
             mod.load_state_dict(eager.state_dict())
-            out[name] = mod
+            out[name] = Batched(mod) if cls == "LigerMLP" else mod
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             out[name] = f"{type(e).__name__}: {e}"
     return out

@@ -140,3 +140,24 @@ def test_a_step_clears_the_gradients_and_the_errors_see_a_wrong_one():
     w.grad[0].mul_(1.01)
     assert 1e-4 < grad_errors(leaves, ref)["w"] < 1e-2
     assert memory_of(lambda: x @ w.T, leaves, dout) == {"saved_mib": None, "peak_mib": None}  # CUDA only
+
+
+def test_batched_hands_a_3d_only_module_a_batch_of_one():
+    import torch
+
+    from benchmarks.harness.train_mlps import Batched
+
+    class ThreeDOnly(torch.nn.Module):  # as LigerMLP: B, S, K = x.shape
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 3))
+
+        def forward(self, x):
+            b, s, k = x.shape
+            return x @ self.w.T
+
+    inner = ThreeDOnly()
+    mod = Batched(inner)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(mod(x), x @ inner.w.T)
+    assert mod(x[None]).shape == (1, 5, 4) and [n for n, _ in mod.named_parameters()] == ["inner.w"]
