@@ -25,7 +25,9 @@ steps; the ways take turns over `--rounds` rounds, order reversed every other ro
 tokens/s (batch x seq x ranks / median step time), the peak GPU memory of the way's first round
 (weights, gradients, AdamW states and activations; per rank under FSDP2), and the loss of
 every step of the first round against eager's (same weights, same batches: equal within the
-convergence tolerance, atol 1e-2 and rtol 5e-2, is the check).
+convergence tolerance, atol 1e-2 and rtol 5e-2, is the check), and the SM clock and board
+power while each way ran its first round (`harness/gpu_clock.py`: at the power cap a step's time
+follows its energy).
 
 With `--fsdp2` (under torchrun; NCCL on GPUs, gloo with --dry-run): the model is patched first,
 then every decoder layer and the model are sharded with `torch.distributed.fsdp.fully_shard`;
@@ -38,6 +40,7 @@ Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and O
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -52,6 +55,7 @@ from swiglu_patch.inputs import nonnegative_int, positive_int
 from swiglu_patch.provenance import environment
 
 from .harness.cli import Parser, guarded, render_or_run, require_cuda
+from .harness.gpu_clock import ClockSampler, describe
 from .harness.models import MODELS, TINY, build_model, mlps
 
 PROG = "python -m benchmarks.bench_train_step"
@@ -161,24 +165,25 @@ def run_way(way: str, checkpointing: bool, args, device, dtype, data: list[torch
     model = build_way(way, args, device, dtype, checkpointing)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     losses, times = [], []
-    for n, ids in enumerate(data):
-        ids = ids.to(device)
-        sync()
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        if n >= args.warmup:
-            times.append(time.perf_counter() - t0)
-        losses.append(_global_mean(loss.detach(), args.fsdp2))
+    with ClockSampler(device.index or 0) if device.type == "cuda" else contextlib.nullcontext() as clock:
+        for n, ids in enumerate(data):
+            ids = ids.to(device)
+            sync()
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            if n >= args.warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(_global_mean(loss.detach(), args.fsdp2))
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     del model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"step_s": times, "losses": losses, "peak_mib": peak}
+    return {"step_s": times, "losses": losses, "peak_mib": peak, "clock": clock.summary() if clock else None}
 
 
 def _global_mean(loss: torch.Tensor, distributed: bool) -> float:
@@ -239,7 +244,8 @@ def run(args: argparse.Namespace) -> dict:
             got = run_way(way, ckpt, args, device, dtype, data, sync)
             entry = results.setdefault(key, {"way": way, "checkpointing": ckpt, "rounds_step_s": [],
                                              "losses": got["losses"], "peak_mib_per_rank": _gather(got["peak_mib"],
-                                                                                                    distributed)})
+                                                                                                    distributed),
+                                             "clock": got["clock"]})
             entry["rounds_step_s"].append(statistics.median(got["step_s"]))
             if rank == 0:
                 print(f"[bench_train_step] round {r} {key:16s} {entry['rounds_step_s'][-1] * 1e3:8.1f} ms/step, "
@@ -307,6 +313,11 @@ def render_markdown(data: dict) -> str:
                 if e["way"] == "store" and "time_over_eager" in e]
     if verdicts:
         lines += ["", *verdicts]
+    clocks = [f"{key} {describe(e['clock']).removeprefix('GPU while timed: ')}" for key, e in data["results"].items()
+              if describe(e.get("clock"))]
+    if clocks:
+        lines += ["", "GPU while each way ran its round-0 steps (rank 0; `harness/gpu_clock.py`):", "",
+                  *[f"- {c}" for c in clocks]]
     lines += ["", "Losses of round 0 per step:", ""]
     for key, e in data["results"].items():
         lines.append(f"- {key}: " + ", ".join(f"{x:.5f}" for x in e["losses"]))

@@ -36,6 +36,12 @@ def test_dry_run_trains_every_way_to_eager_losses(tmp_path):
     (tmp_path / "results.md").unlink()
     assert bench_train_step.main(["--render", str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "results.md").read_text() == md
+    assert all(e["clock"] is None for e in data["results"].values()) and "GPU while" not in md  # CPU: no samples
+    clock = {"samples": 9, "sm_mhz_median": 1365.0, "sm_mhz_max": 1980.0, "power_w_median": 698.0,
+             "power_limit_w": 700.0, "power_capped_share": 1.0}
+    data["results"]["store"]["clock"] = clock
+    assert "- store SM clock 1365 MHz (median; 1980 max), board power 698 W of its 700 W limit, at the power cap in " \
+           "100% of 9 samples" in bench_train_step.render_markdown(data)
 
 
 def test_fsdp2_dry_run_under_torchrun(tmp_path):
