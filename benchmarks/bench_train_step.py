@@ -26,8 +26,8 @@ tokens/s (batch x seq x ranks / median step time), the peak GPU memory of the wa
 (weights, gradients, AdamW states and activations; per rank under FSDP2), and the loss of
 every step of the first round against eager's (same weights, same batches: equal within the
 convergence tolerance, atol 1e-2 and rtol 5e-2, is the check), and the SM clock and board
-power while each way ran its first round (`harness/gpu_clock.py`: at the power cap a step's time
-follows its energy).
+power while each way ran its timed steps of the first round (`harness/gpu_clock.py`: at the
+power cap a step's time follows its energy).
 
 With `--fsdp2` (under torchrun; NCCL on GPUs, gloo with --dry-run): the model is patched first,
 then every decoder layer and the model are sharded with `torch.distributed.fsdp.fully_shard`;
@@ -159,14 +159,17 @@ def batches(args, vocab: int, rank: int, count: int) -> list[torch.Tensor]:
 
 
 def run_way(way: str, checkpointing: bool, args, device, dtype, data: list[torch.Tensor], sync) -> dict:
-    """Build, warm up and time one way; {"step_s": [...], "losses": [...], "peak_mib"}."""
+    """Build, warm up and time one way; {"step_s": [...], "losses": [...], "peak_mib", "clock"} (clock:
+    `gpu_clock.summarize` of the timed steps, None on CPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = build_way(way, args, device, dtype, checkpointing)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    losses, times = [], []
-    with ClockSampler(device.index or 0) if device.type == "cuda" else contextlib.nullcontext() as clock:
+    losses, times, clock = [], [], None
+    with contextlib.ExitStack() as timed:
         for n, ids in enumerate(data):
+            if n == args.warmup and device.type == "cuda":  # the clock while the timed steps run
+                clock = timed.enter_context(ClockSampler(device.index or 0))
             ids = ids.to(device)
             sync()
             t0 = time.perf_counter()
@@ -316,7 +319,7 @@ def render_markdown(data: dict) -> str:
     clocks = [f"{key} {describe(e['clock']).removeprefix('GPU while timed: ')}" for key, e in data["results"].items()
               if describe(e.get("clock"))]
     if clocks:
-        lines += ["", "GPU while each way ran its round-0 steps (rank 0; `harness/gpu_clock.py`):", "",
+        lines += ["", "GPU while each way ran its timed steps of round 0 (rank 0; `harness/gpu_clock.py`):", "",
                   *[f"- {c}" for c in clocks]]
     lines += ["", "Losses of round 0 per step:", ""]
     for key, e in data["results"].items():
