@@ -101,8 +101,9 @@ def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
 
 class _SixGemms(torch.autograd.Function):
     """Forward: P = x @ W^T [M, 2I], y = P[:, :I] @ Wd^T [M, K]. Backward: dH = dY @ Wd [M, I],
-    dWd = dY^T @ P[:, :I], dW = P^T @ x, dx = P @ W, P standing in for dP (the shapes and
-    strides of the MLP's GEMMs; the values are not its gradients)."""
+    dWd = dY^T @ P[:, :I], dW = P^T @ x, dx = P @ W: the MLP's six GEMM shapes, with P standing
+    in for dP and its first I columns (a strided view, no copy) for h. dH is computed and
+    dropped; the values are not the MLP's gradients."""
 
     @staticmethod
     def forward(ctx, x, w, wd):
