@@ -39,6 +39,7 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
     # the dry run's interpreter must be on before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -241,7 +242,7 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             traceback.print_exc()
-    with ClockSampler(device.index or 0) as clock:
+    with ClockSampler(device.index or 0) if device.type == "cuda" else contextlib.nullcontext() as clock:
         times = timer.many(steps)
     for name, t in times.items():
         results[name]["ms"] = t * 1e3
@@ -251,7 +252,8 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
             r["vs_eager"] = r["ms"] / eager_ms
     del ways, steps
     _free(device)
-    return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results), "clock": clock.summary()}
+    return {"row": dataclasses.asdict(row), "ways": results, "targets": targets(row, results),
+            "clock": clock.summary() if clock else None}
 
 
 def targets(row: Row, ways: dict) -> dict:
