@@ -19,7 +19,8 @@ is recorded and never timed. The candidates that pass are timed together with th
 of the same shape (`gemm_only`: x @ [Wg; Wu]^T, or dY @ Wd for `backward`) and with `shipped`,
 the call with kernel="auto" (what the rules choose: `dispatch.choose` names the forward's
 rule), by `harness/timing.GraphTimer`: CUDA-graph replays
-after a read-only L2 flush, interleaved in rounds. A call captured into a graph takes the
+after a read-only L2 flush, interleaved in rounds (with --sustained: back to back with no flush, hundreds of ms
+per candidate, the GPU at its power cap as in a training loop). A call captured into a graph takes the
 rules for captured calls, so `shipped` is labelled with those, and every replayed output is
 checked against float64 too.
 
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", nargs="+", type=int, help=f"token counts M (default {' '.join(map(str, TOKENS))})")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--rep-ms", type=float, default=30.0, help="timed calls per candidate and row (ms of GPU time)")
+    p.add_argument("--sustained", action="store_true",
+                   help="time calls back to back with no L2 flush, 200 ms of warm-up and at least 400 ms per candidate: "
+                        "the GPU at its power cap, as in a training loop")
     p.add_argument("--with-liger", action="store_true", help="time Liger's gemm_swiglu in SiLU rows too")
     p.add_argument("--budget-s", type=float, default=0, help="stop starting shapes after this many seconds (0: none)")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
@@ -287,8 +291,9 @@ def run(args: argparse.Namespace) -> dict:
         require_cuda(PROG)
         from .harness.timing import GraphTimer
 
-        device, dtype, timer = torch.device("cuda"), DTYPES[args.dtype], GraphTimer(warmup_ms=5, rep_ms=args.rep_ms,
-                                                                                     rounds=3)
+        timer = (GraphTimer(warmup_ms=200, rep_ms=max(args.rep_ms, 400.0), rounds=3, flush="none") if args.sustained
+                 else GraphTimer(warmup_ms=5, rep_ms=args.rep_ms, rounds=3))
+        device, dtype = torch.device("cuda"), DTYPES[args.dtype]
         if args.with_liger:
             from .harness.ways import fast_liger_autotune
 

@@ -90,8 +90,10 @@ BACKWARD_VARIANTS = [
     ("backward_tma", C(128, 128, 64, **_T | {"num_stages": 2, "programs_per_sm": 2}, max_registers=128, **_Q)),
     ("backward_split", C(32, 128, 16, num_warps=4)), ("backward_split", C(64, 128, 16, num_warps=8)),
     ("backward_split", C(16, 256, 16, num_warps=4)), ("backward_split", C(32, 64, 16, num_warps=4)),
-    # the warp-specialized kernel (Hopper): 4, 5 and 6 ring stages (6: the handoff in 16 bits), group 16
+    # the warp-specialized kernel (Hopper): 4, 5 and 6 ring stages (6: the handoff in 16 bits), groups 4 and 16
     ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=4, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, group_m=4, num_warps=4, num_stages=4, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, group_m=4, num_warps=4, num_stages=5, epilogue_subtiles=8)),
     ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)),
     ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=6, epilogue_subtiles=8)),
     ("backward_ws", C(128, 128, 64, group_m=16, num_warps=4, num_stages=5, epilogue_subtiles=8)),

@@ -39,6 +39,7 @@ import time
 from typing import Callable
 
 Fn = Callable[[], object]
+FLUSHES = ("read", "zero", "none")  # GraphTimer's L2 states before a timed call
 
 
 class GraphTimer:
@@ -51,34 +52,42 @@ class GraphTimer:
             callables of one `many` call take turns round by round.
         flush_mib: size of the buffer read before every timed call (L2 is 50 MB on H100).
         flush: "read" (the default: L2 left clean) or "zero" (do_bench's way: L2 left dirty),
-            for comparing the two L2 states.
+            for comparing the two L2 states; or "none": the replays back to back with nothing
+            between them, as a training loop runs its GEMMs. Long enough (hundreds of ms per way)
+            that holds a GPU at its power cap, where the speed of a kernel follows the energy it
+            spends (an H100 SXM at 700 W runs its SMs at ~1350 of 1980 MHz), and the flush's
+            pause before every call would let the chip rest.
     """
 
     def __init__(self, warmup_ms: float = 10.0, rep_ms: float = 40.0, rounds: int = 4,
                  flush_mib: int = 256, min_reps: int = 8, max_reps: int = 2000, flush: str = "read"):
         import torch
 
-        if flush not in ("read", "zero"):
-            raise ValueError(f"GraphTimer: flush must be 'read' or 'zero', got {flush!r}")
+        if flush not in FLUSHES:
+            raise ValueError(f"GraphTimer: flush must be one of {', '.join(FLUSHES)}, got {flush!r}")
 
         self.torch = torch
         self.warmup_ms, self.rep_ms, self.rounds = warmup_ms, rep_ms, max(1, rounds)
         self.min_reps, self.max_reps = min_reps, max_reps
-        self._flush_buf = torch.ones(flush_mib << 18, dtype=torch.float32, device="cuda")  # read-only: any values
-        self._flush_out = torch.empty((), dtype=torch.float32, device="cuda")
+        if flush != "none":
+            self._flush_buf = torch.ones(flush_mib << 18, dtype=torch.float32, device="cuda")  # read-only: any values
+            self._flush_out = torch.empty((), dtype=torch.float32, device="cuda")
         self.flush = flush
         self.modes: dict[str, str] = {}  # key -> "graph" or "eager (reason)", of the last `many`
 
     def describe(self) -> str:
-        how = "reading" if self.flush == "read" else "zeroing"
-        return (f"CUDA-graph replay per call, L2 flushed by {how} {self._flush_buf.numel() * 4 >> 20} MB before "
-                f"every timed call, ways of a row interleaved in {self.rounds} rounds, "
+        if self.flush == "none":
+            l2 = "no L2 flush, replays back to back (sustained: at a GPU's power cap if long enough)"
+        else:
+            how = "reading" if self.flush == "read" else "zeroing"
+            l2 = f"L2 flushed by {how} {self._flush_buf.numel() * 4 >> 20} MB before every timed call"
+        return (f"CUDA-graph replay per call, {l2}, ways of a row interleaved in {self.rounds} rounds, "
                 f"warmup {self.warmup_ms:g} ms, {self.rep_ms:g} ms of timed calls per way, median")
 
     def _flush(self) -> None:
         if self.flush == "read":
             self.torch.sum(self._flush_buf, dim=0, out=self._flush_out)
-        else:
+        elif self.flush == "zero":
             self._flush_buf.zero_()
 
     def _graph_of(self, fn: Fn):

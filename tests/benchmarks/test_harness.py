@@ -121,6 +121,14 @@ def test_cpu_timer_many_times_each_callable():
 
 
 @pytest.mark.gpu
+def test_graph_timer_without_a_flush_says_so_and_a_bad_flush_names_the_choices():
+    timer = GraphTimer(warmup_ms=200, rep_ms=400, rounds=3, flush="none")  # no flush buffer: builds on a CPU too
+    assert "no L2 flush, replays back to back" in timer.describe() and "400 ms of timed calls" in timer.describe()
+    timer._flush()  # nothing to do
+    with pytest.raises(ValueError, match="read, zero, none"):
+        GraphTimer(flush="evict")
+
+
 def test_event_timer_reverses_the_order_every_other_round():
     calls = []
     out = EventTimer(cuda=False, reps=2, rounds=3, warmup=0).many({"a": lambda: calls.append("a"),
