@@ -25,7 +25,7 @@ Why the groups exist:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .configs import ExpertsConfig as EC
 from .experts_backward_config import ExpertsBackwardConfig as EBC
@@ -168,15 +168,22 @@ BACKWARD_VARIANTS_H100 = ("h100/train/tune_backward_variants_bf16.json", "h100/t
                           "h100/train/tune_backward_variants_small_m_bf16.json")
 BACKWARD_WS_H100 = ("h100/train/ws/tune_backward_variants_bf16.json", "h100/train/ws/tune_backward_variants_fp16.json",
                     "h100/train/ws/tune_backward_variants_small_m_bf16.json")
+BACKWARD_WS_CAP_H100 = ("h100/train/ws_cap/tune_flushed_bf16.json", "h100/train/ws_cap/tune_sustained_bf16.json")
 WS_CONFIG = C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)
 
 BACKWARD_RULES: tuple[Rule, ...] = (
-    Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, None), sweep=BACKWARD_WS_H100,
+    Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, 4096), sweep=BACKWARD_WS_H100,
          why="Hopper's wgmma in Gluon, the epilogue of one 128x128 tile beside the next tile's MMAs (a TMA loader warp, "
              "5 ring stages, an fp32 handoff buffer, 4 epilogue warps): the fastest backward kernel from M = 512 on "
              "(H100 sweep: Llama-3-8B 0.760 vs the split's 0.876 ms at M = 4096, 1.509 vs 1.796 at 8192, Gemma-2-9B "
              "0.703 vs 0.782 and 1.427 vs 1.605, fp16 0.781 vs 0.907, M = 1024 0.195 vs 0.223, 512 0.114 vs 0.118; "
              "cuBLAS's dH alone 0.697 at M = 4096); the split wins at M = 256 (0.060 vs 0.069); Hopper only (wgmma)"),
+    Rule("backward_ws", replace(WS_CONFIG, group_m=4), HOPPERS, min_capability=HOPPER, m=(4097, None),
+         sweep=BACKWARD_WS_CAP_H100,
+         why="M > 4096: the same kernel with 4 row tiles per group, ahead of 8 with L2 flushed before each call and with "
+             "calls back to back at the power cap (`tune --sustained`), in one H100 run: of cuBLAS's dH alone, "
+             "Llama-3-8B M = 8192 1.087x vs 1.110x and 1.227x vs 1.242x, Gemma-2-9B M = 8192 1.143x vs 1.194x and "
+             "1.292x vs 1.331x; at M = 4096 group 8 stays ahead (Llama-3-8B 1.082x vs 1.106x, 1.195x vs 1.225x)"),
     Rule("backward_split", C(32, 128, 16, num_warps=4), min_capability=HOPPER, m=(129, None),
          sweep=BACKWARD_VARIANTS_H100,
          why="cuBLAS dH, then one elementwise pass (dH, P read; dP, h written) beats the fused TMA kernel, whose "

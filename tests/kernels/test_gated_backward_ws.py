@@ -5,6 +5,7 @@ spills, and a call it cannot take is refused by name. Its numerics run on the GP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -45,6 +46,15 @@ def test_the_rule_is_hopper_only_and_the_default_config():
     assert RULE.gpus and all("H" in g for g in RULE.gpus) and RULE.min_capability == (9, 0)
     assert DEFAULT_CONFIGS["backward_ws"] == RULE.config
     assert RULE.m[0] > 256, "the split kernel measured faster at M = 129-256"
+
+
+def test_every_warp_specialized_rule_is_the_compiled_config_up_to_its_tile_order():
+    """The compile test above builds RULE's config; another rule may change only group_m (the order
+    of the tiles, an integer constexpr: the same registers and shared memory)."""
+    ws_rules = [r for r in BACKWARD_RULES if r.kernel == "backward_ws"]
+    assert len(ws_rules) >= 2 and {r.config.group_m for r in ws_rules} == {8, 4}
+    for rule in ws_rules:
+        assert dataclasses.replace(rule.config, group_m=RULE.config.group_m) == RULE.config, rule
 
 
 def test_a_cpu_call_is_refused_by_name():
