@@ -3,8 +3,10 @@
 - ``swiglu_patch::gated_gemm`` (`gated_gemm_op`): out [M, I] = epilogue(x @ W^T + b), inference;
 - ``swiglu_patch::gated_gemm_low_rank`` (`gated_gemm_low_rank_op`): the same with LoRA's
   low-rank segment, P = x @ W^T + x_lr @ b_lr^T + b (inference);
-- ``swiglu_patch::gated_mlp`` (`gated_mlp_op`): the whole gated MLP through down_proj, with its
-  autograd formula registered on it (`swiglu_patch.training` has the formulas and modes);
+- ``swiglu_patch::gated_mlp`` (`gated_mlp_op`): the gated MLP's first half (h, and P in store
+  mode), with the whole MLP's backward registered on it (`swiglu_patch.training` has the formulas
+  and modes), and ``swiglu_patch::gated_mlp_down`` (`gated_mlp_down_op`): y = h @ Wd^T + bd, whose
+  backward only hands dY back to it;
 - ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P;
 - ``swiglu_patch::experts`` (`experts_op`): an MoE experts block on the 3-D weights (inference);
 - ``swiglu_patch::experts_train`` (`experts_train_op`): the same for training, storing the pairs'
@@ -299,12 +301,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @torch.library.custom_op("swiglu_patch::gated_mlp", mutates_args=())
 def gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_weight: torch.Tensor, down_bias: torch.Tensor | None, x_lr: torch.Tensor | None,
-                 b_lr: torch.Tensor | None, activation: str, gate_scale: float, out_scale: float, clamp: int,
-                 limit: float, store_preact: bool, return_h: bool,
+                 down_weight: torch.Tensor, x_lr: torch.Tensor | None, b_lr: torch.Tensor | None, activation: str,
+                 gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, return_h: bool,
                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [M, K], P [M, 2*I], h [M, I]) for 2-D x [M, K]; P and h are 0-element tensors unless
-    store_preact and return_h ask for them. x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
+    """The MLP's first half, and its whole backward: (h [M, I], P [M, 2*I], dy_route [M, K]) for
+    2-D x [M, K]. P is a 0-element tensor unless store_preact. dy_route is one element seen as
+    [M, K] (strides 0, 0): `gated_mlp_down_op` takes it and hands dY back through it, so this op's
+    backward gets dY and runs every GEMM of the MLP's backward. Wd [K, I] is an input for that
+    backward (dH = dY @ Wd and dWd); y = h @ Wd^T + bd is `gated_mlp_down_op`'s. h is
+    differentiable only with return_h (the gradient of adapters on down_proj).
+    x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
     epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
     if backend == "triton":
         kernels = dispatcher()
@@ -322,16 +328,43 @@ def gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
         gate, up = split_interleaved(p_acc, -1)
         h = epilogue.apply(gate, up).to(x.dtype)
         preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
-    y = F.linear(h, down_weight, down_bias)
-    return y, x.new_empty(0) if preact is None else preact, h if return_h else x.new_empty(0)
+    return h, x.new_empty(0) if preact is None else preact, _dy_route(x, down_weight)
+
+
+def _dy_route(x: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
+    return x.new_zeros(()).expand(x.shape[0], down_weight.shape[0])
 
 
 @gated_mlp_op.register_fake
-def _(x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, activation, gate_scale, out_scale, clamp,
-      limit, store_preact, return_h, backend):
+def _(x, gate_up_weight, gate_up_bias, down_weight, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit,
+      store_preact, return_h, backend):
     preact = x.new_empty((x.shape[0], gate_up_weight.shape[0])) if store_preact else x.new_empty(0)
-    h = x.new_empty((x.shape[0], down_weight.shape[1])) if return_h else x.new_empty(0)
-    return x.new_empty((x.shape[0], down_weight.shape[0])), preact, h
+    return x.new_empty((x.shape[0], down_weight.shape[1])), preact, _dy_route(x, down_weight)
+
+
+@torch.library.custom_op("swiglu_patch::gated_mlp_down", mutates_args=())
+def gated_mlp_down_op(h: torch.Tensor, down_weight: torch.Tensor, down_bias: torch.Tensor | None,
+                      dy_route: torch.Tensor) -> torch.Tensor:
+    """y [M, K] = h @ Wd^T + bd, for h [M, I] from `gated_mlp_op`. It saves nothing: its backward
+    hands dY to dy_route (`gated_mlp_op`'s third output, whose backward computes dWd and the rest)
+    and gives dbd. Saving nothing is what lets a checkpointed layer's recomputation stop before
+    this GEMM: non-reentrant `torch.utils.checkpoint` reruns a forward only until the last tensor
+    the backward needs is saved, and `gated_mlp_op` saves them all."""
+    return F.linear(h, down_weight, down_bias)
+
+
+@gated_mlp_down_op.register_fake
+def _(h, down_weight, down_bias, dy_route):
+    return h.new_empty((h.shape[0], down_weight.shape[0]))
+
+
+def _down_setup_context(ctx, inputs, output):
+    ctx.set_materialize_grads(False)
+
+
+def _down_backward(ctx, dy):
+    dbd = _sum_rows(dy) if dy is not None and ctx.needs_input_grad[2] else None
+    return None, None, dbd, dy
 
 
 @torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", mutates_args=("preact",))
@@ -360,13 +393,15 @@ def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, 
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate_up_weight, gate_up_bias, down_weight, down_bias, x_lr, b_lr, *epilogue, store_preact, _, backend = inputs
-    _, preact, _ = output
+    x, gate_up_weight, gate_up_bias, down_weight, x_lr, b_lr, *epilogue, store_preact, return_h, backend = inputs
+    h, preact, _ = output
     ctx.mark_non_differentiable(preact)
+    if not return_h:
+        ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # no [M, 2*I] of zeros for P's (absent) gradient
     ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
                           preact if store_preact else None, x_lr, b_lr)
-    ctx.epilogue_args, ctx.store_preact, ctx.backend = tuple(epilogue), store_preact, backend
+    ctx.epilogue_args, ctx.store_preact, ctx.return_h, ctx.backend = tuple(epilogue), store_preact, return_h, backend
 
 
 def _sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -374,18 +409,16 @@ def _sum_rows(t: torch.Tensor) -> torch.Tensor:
     return t.sum(0, dtype=_acc_dtype(t.dtype)).to(t.dtype)
 
 
-def _backward(ctx, dy, _dpreact, dh_in):
-    need_x, need_w, need_b, need_wd, need_bd, need_xlr, need_blr = ctx.needs_input_grad[:7]
+def _backward(ctx, dh_in, _dpreact, dy):
+    need_x, need_w, need_b, need_wd, need_xlr, need_blr = ctx.needs_input_grad[:6]
     none = (None,) * 8
-    if dh_in is not None and dh_in.numel() == 0:  # h was not returned (a traced backward materializes its 0 elements)
+    if not ctx.return_h:  # h went to the down op only, which gives it no gradient (a traced backward may pass zeros)
         dh_in = None
     if dy is None and dh_in is None:
-        return (None,) * 7 + none
+        return (None,) * 6 + none
     x, gate_up_weight, gate_up_bias, down_weight, preact, x_lr, b_lr = ctx.saved_tensors
     dy = x.new_zeros((x.shape[0], down_weight.shape[0])) if dy is None else dy.contiguous()
-    dx = dw = db = dwd = dbd = dxlr = dblr = None
-    if need_bd:
-        dbd = _sum_rows(dy)
+    dx = dw = db = dwd = dxlr = dblr = None
     if need_x or need_w or need_b or need_wd or need_xlr or need_blr:
         if not ctx.store_preact:  # recompute: one GEMM (and the low-rank segment's)
             preact = F.linear(x, gate_up_weight, gate_up_bias)
@@ -414,7 +447,8 @@ def _backward(ctx, dy, _dpreact, dh_in):
         if dwd_last:
             del preact, dpreact
             dwd = dy.t() @ h
-    return (dx, dw, db, dwd, dbd, dxlr, dblr) + none
+    return (dx, dw, db, dwd, dxlr, dblr) + none
 
 
 gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+gated_mlp_down_op.register_autograd(_down_backward, setup_context=_down_setup_context)

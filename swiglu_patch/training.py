@@ -28,9 +28,11 @@ Two modes:
 
 Layers, bottom up: the kernels (`kernels/dispatch.py`: `gated_gemm_with_preact`, `gated_gemm`,
 `gated_gemm_low_rank`, `gated_backward`); the registered ops in `swiglu_patch.ops`:
-``swiglu_patch::gated_mlp`` (forward, with its autograd formula registered on it, so autograd,
-torch.compile and CUDA graphs see one op) and ``swiglu_patch::gated_mlp_dpreact`` (the fused
-backward GEMM, writing dP over P); then `gated_mlp_interleaved` (what a fused module calls with
+``swiglu_patch::gated_mlp`` (the gated GEMM: h, and P in store mode; the whole MLP's backward
+is registered on it, so autograd, torch.compile and CUDA graphs see one op for it),
+``swiglu_patch::gated_mlp_down`` (y = h @ Wd^T + bd; it saves nothing and its backward hands dY
+to the first op, so a checkpointed layer's recomputation stops before this GEMM) and
+``swiglu_patch::gated_mlp_dpreact`` (the fused backward GEMM, writing dP over P); then `gated_mlp_interleaved` (what a fused module calls with
 its parameters) and `gated_mlp` (which takes a `PackedGateUp`). The plain GEMMs of the backward
 (dWd, dW, dx) run through torch (cuBLAS on the GPU) and are skipped for inputs that need no
 gradient (frozen weights).
@@ -48,7 +50,7 @@ import torch
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import PackedGateUp
 from .low_rank import check_low_rank
-from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_op, resolve_backend
+from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_down_op, gated_mlp_op, resolve_backend
 
 __all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved"]
 
@@ -114,8 +116,9 @@ def gated_mlp_interleaved(
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
-    y, _, h = gated_mlp_op(x2d, weight, bias, down_weight, down_bias, xlr2d, b_lr, *epilogue_args(epilogue), store,
-                           return_h, backend)
+    h, _, dy_route = gated_mlp_op(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
+                                  return_h, backend)
+    y = gated_mlp_down_op(h, down_weight, down_bias, dy_route)
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])
         h = h.view(*x.shape[:-1], h.shape[-1]) if return_h else h

@@ -9,7 +9,10 @@ import torch
 from helpers import DEVICE, KERNEL_DTYPES, make_case, packed_of
 
 from swiglu_patch.kernels.layout import PackedGateUp
-from swiglu_patch.ops import gated_gemm_low_rank_op, gated_mlp_dpreact_op, gated_mlp_op
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from swiglu_patch.ops import gated_gemm_low_rank_op, gated_mlp_down_op, gated_mlp_dpreact_op, gated_mlp_op
 from swiglu_patch.training import gated_mlp
 
 BACKEND = "triton"  # under the interpreter on CPU
@@ -35,12 +38,60 @@ def test_opcheck_gated_mlp(backend, store, low_rank):
     x, w, b, wd, bd = _leaves(dtype=torch.float32)
     x_lr = torch.randn(x.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
     b_lr = torch.randn(w.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
-    args = (x, w, b, wd, bd, x_lr, b_lr, "silu", 1.0, 1.0, 0, 0.0, store, low_rank, backend)
+    args = (x, w, b, wd, x_lr, b_lr, "silu", 1.0, 1.0, 0, 0.0, store, low_rank, backend)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if not store:
         utils += ("test_aot_dispatch_dynamic",)
     result = torch.library.opcheck(gated_mlp_op, args, test_utils=utils)
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_opcheck_gated_mlp_down(bias):
+    x, w, b, wd, bd = _leaves(dtype=torch.float32, bias=bias)
+    h = torch.randn(x.shape[0], wd.shape[1], device=DEVICE, requires_grad=True)
+    route = x.new_zeros(()).expand(x.shape[0], wd.shape[0]).requires_grad_(True)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    result = torch.library.opcheck(gated_mlp_down_op, (h, wd, bd, route), test_utils=utils)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "swiglu_patch":
+            self.calls.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["store", "recompute"])
+@pytest.mark.parametrize("after", ["nothing", "a square"])
+def test_checkpoint_recomputation_stops_before_the_down_gemm(mode, after):
+    """Under non-reentrant checkpointing the recomputation runs the gated GEMM again but not y's:
+    the down op saves nothing, so recomputation stops once the gated op has saved its tensors.
+    With an op after the MLP that saves a tensor made from y (a square), recomputation must go
+    on through the down GEMM, and the gradients still equal those without checkpointing."""
+    x, w, b, wd, bd = _leaves(dtype=torch.float32)
+
+    def layer(x, w, b, wd, bd):
+        y = gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", mode, BACKEND)
+        return y.square() if after == "a square" else y
+
+    leaves = (x, w, b, wd, bd)
+    dy = torch.randn(x.shape[0], wd.shape[0], device=DEVICE)
+    want = torch.autograd.grad(layer(*leaves), leaves, dy)
+    counter = _OpCounter()
+    with counter:
+        y = checkpoint(layer, *leaves, use_reentrant=False)
+        got = torch.autograd.grad(y, leaves, dy)
+    downs = counter.calls.count("gated_mlp_down")
+    assert counter.calls.count("gated_mlp") == 2, counter.calls
+    assert downs == (2 if after == "a square" else 1), counter.calls
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["torch", BACKEND])
