@@ -3,7 +3,10 @@ Austen's text (bytes as tokens), unpatched and patched from the same weights, se
 
 CPU, fp32: the losses agree to 1e-5 (relative) at every step, for a SiLU (Llama, Qwen3), a
 GeLU-tanh (Gemma 2) and a chunked gate_up (Phi-3) family. GPU (marked): the Llama-shaped bf16 run
-of `convergence.py`, 200 steps, within atol 1e-2 + rtol 5e-2, writing its JSON and PNG.
+of `convergence.py` on the repo's chapter, its first 60 steps, within atol 1e-2 + rtol 5e-2,
+writing its JSON and PNG. Not 200: the model memorizes the chapter (2,206 characters) by step
+~100, and from there two eager runs of the same seed already differ by more than the tolerance
+(0.891 and 0.824 at step 100 on one H100; docs/training_stack.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def test_tiny_model_losses_equal_unpatched(family, backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the bf16 Llama-shaped run needs a CUDA GPU")
-def test_llama_shaped_bf16_200_steps(tmp_path):
-    assert main(["--out", str(tmp_path), "--steps", "200"]) == 0, (tmp_path / "convergence.json").read_text()
+def test_llama_shaped_bf16_60_steps(tmp_path):
+    assert main(["--out", str(tmp_path), "--steps", "60", "--text", str(CHAPTER)]) == 0, (tmp_path / "convergence.json").read_text()
     assert (tmp_path / "convergence.png").stat().st_size > 0
     torch.cuda.empty_cache()
