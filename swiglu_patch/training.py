@@ -30,10 +30,11 @@ Layers, bottom up: the kernels (`kernels/dispatch.py`: `gated_gemm_with_preact`,
 `gated_gemm_low_rank`, `gated_backward`); the registered ops in `swiglu_patch.ops`:
 ``swiglu_patch::gated_mlp`` (the gated GEMM: h, and P in store mode; the whole MLP's backward
 is registered on it, so autograd, torch.compile and CUDA graphs see one op for it),
-``swiglu_patch::gated_mlp_down`` (y = h @ Wd^T + bd; it saves nothing and its backward hands dY
-to the first op, so a checkpointed layer's recomputation stops before this GEMM) and
-``swiglu_patch::gated_mlp_dpreact`` (the fused backward GEMM, writing dP over P); then `gated_mlp_interleaved` (what a fused module calls with
-its parameters) and `gated_mlp` (which takes a `PackedGateUp`). The plain GEMMs of the backward
+`ops.GatedMlpDown` (y = h @ Wd^T + bd, an autograd.Function; it saves nothing and its backward
+hands dY to the op, so a checkpointed layer's recomputation stops before this GEMM) and
+``swiglu_patch::gated_mlp_dpreact`` (the fused backward GEMM, writing dP over P); then
+`gated_mlp_interleaved` (what a fused module calls with its parameters) and `gated_mlp` (which
+takes a `PackedGateUp`). The plain GEMMs of the backward
 (dWd, dW, dx) run through torch (cuBLAS on the GPU) and are skipped for inputs that need no
 gradient (frozen weights).
 
@@ -50,7 +51,7 @@ import torch
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import PackedGateUp
 from .low_rank import check_low_rank
-from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_down_op, gated_mlp_op, resolve_backend
+from .ops import epilogue_args, gated_epilogue_grad_reference, GatedMlpDown, gated_mlp_op, resolve_backend
 
 __all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved"]
 
@@ -118,7 +119,7 @@ def gated_mlp_interleaved(
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
     h, _, dy_route = gated_mlp_op(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
                                   return_h, backend)
-    y = gated_mlp_down_op(h, down_weight, down_bias, dy_route)
+    y = GatedMlpDown.apply(h, down_weight, down_bias, dy_route)
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])
         h = h.view(*x.shape[:-1], h.shape[-1]) if return_h else h
