@@ -113,8 +113,8 @@ def gated_mlp_interleaved(
     if x_lr is not None:
         check_low_rank("gated_mlp", x, weight, x_lr, b_lr)
     backend = resolve_backend(backend, x.device, "gated_mlp")
-    tensors = (x, weight, bias, down_weight, down_bias, x_lr, b_lr)
-    store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    op_inputs = (x, weight, bias, down_weight, x_lr, b_lr)  # the gated op's: down_bias's gradient needs no P
+    store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in op_inputs)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
     h, _, dy_route = gated_mlp_op(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,

@@ -139,6 +139,27 @@ def test_recompute_saves_nothing_beyond_x_and_the_weights():
     assert extra == []
 
 
+def test_only_the_down_bias_trainable_saves_nothing(monkeypatch):
+    """dbd needs dY alone: with every other input frozen P is neither written nor saved, and dbd
+    is the sum of dY's rows."""
+    x, w, b, wd, bd = _leaves(requires_grad=False)
+    bd.requires_grad_(True)
+    store_flags = []
+
+    def recording(*args):
+        store_flags.append(args[11])
+        return gated_mlp_op(*args)
+
+    monkeypatch.setattr(training, "gated_mlp_op", recording)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", "store", BACKEND)
+    assert packed == [] and store_flags == [False]
+    dy = torch.randn_like(y)
+    (dbd,) = torch.autograd.grad(y, bd, dy)
+    torch.testing.assert_close(dbd, dy.sum(0))
+
+
 @pytest.mark.parametrize("mode", ["store", "recompute"])
 def test_nothing_saved_without_grad(mode):
     assert _saved_by_forward(mode, requires_grad=False)[2] == []
