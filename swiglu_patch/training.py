@@ -34,9 +34,8 @@ is registered on it, so autograd, torch.compile and CUDA graphs see one op for i
 hands dY to the op, so a checkpointed layer's recomputation stops before this GEMM) and
 ``swiglu_patch::gated_mlp_dpreact`` (the fused backward GEMM, writing dP over P); then
 `gated_mlp_interleaved` (what a fused module calls with its parameters) and `gated_mlp` (which
-takes a `PackedGateUp`). The plain GEMMs of the backward
-(dWd, dW, dx) run through torch (cuBLAS on the GPU) and are skipped for inputs that need no
-gradient (frozen weights).
+takes a `PackedGateUp`). The plain GEMMs of the backward (dWd, dW, dx) run through torch (cuBLAS
+on the GPU) and are skipped for inputs that need no gradient (frozen weights).
 
 Numerics: fp32 accumulation and epilogue math in every kernel, one rounding per stored tensor
 (P, h, dP, each gradient). The "torch" backend computes the same formulas with PyTorch ops
