@@ -1,5 +1,5 @@
-"""Training at the MLP level: forward + backward of one gated MLP, HF eager against Liger and
-swiglu-patch's `gated_mlp` (store and recompute modes; the modules are `harness/train_mlps.py`),
+"""Training at the MLP level: forward + backward of one gated MLP, HF eager against Liger, quack
+(where installed) and swiglu-patch's `gated_mlp` (store and recompute modes; the modules are `harness/train_mlps.py`),
 with gradients checked against float64.
 
     python -m benchmarks.bench_train --out DIR [--commit SHA] [--budget-s 420]
@@ -23,7 +23,8 @@ the rest run:
    the energy it spends.
 3. parts: each kernel and GEMM of our forward and backward alone, through the public entry
    points (`gated_gemm`, `gated_gemm_with_preact`, `gated_backward`), against the cuBLAS GEMM
-   of the same shape (what the fused epilogues cost); skipped past --budget-s.
+   of the same shape (what the fused epilogues cost) and quack's two fused GEMMs where quack
+   is installed; skipped past --budget-s.
 
 The training kernels' tile sweeps are `python -m benchmarks.tune --sweep backward` and
 `--sweep preact`. Writes OUT/train.json (after every section) and OUT/train.md.
@@ -53,7 +54,7 @@ from .harness.fwd_bwd import MIB, memory_of, step_fn
 from .harness.gpu_clock import ClockSampler, describe
 from .harness.sweep_ops import entry_points
 from .harness.timing import EventTimer
-from .harness.train_mlps import eager_module, gemm_floor_module, liger_modules, ours_module
+from .harness.train_mlps import eager_module, gemm_floor_module, liger_modules, ours_module, quack_module, quack_parts
 
 PROG = "python -m benchmarks.bench_train"
 EPS = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
@@ -204,7 +205,7 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
         "bwd: cuBLAS dWd = dY^T @ h": (lambda: dy.t() @ h, 2),
         "bwd: cuBLAS dW = dP^T @ x": (lambda: dpreact.t() @ x, 4),
         "bwd: cuBLAS dx = dP @ W": (lambda: dpreact @ w, 4),
-    }
+    } | quack_parts(row.act, x, w, wd, dy)
     if not dispatch.MODULES["backward_ws"].can_run(dy, wd, preact, dpreact, h):  # a Hopper GPU's kernel
         fns = {name: way for name, way in fns.items() if "warp-specialized" not in name}
     times = timer.many({name: fn for name, (fn, _) in fns.items()})
@@ -224,6 +225,7 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
     ways = {"hf_eager": eager}
     if device.type == "cuda":
         ways |= {n: m for n, m in liger_modules(row.act, config, eager).items() if liger_mlp or "LigerMLP" not in n}
+        ways["quack (mlp_func, untuned)"] = quack_module(row.act, eager)
     ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute"),
              FLOOR: gemm_floor_module(eager)}
     x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)

@@ -11,7 +11,8 @@ on its own, and nothing here imports a top-level benchmark.
 - `sweep_ops`: the ops `tune` sweeps (forward, training's forward storing P, its backward GEMM)
   through the public kernel entry points, with their float64 checks;
 - `sweep_candidates`: the candidates (kernel name, config) of each `tune` sweep;
-- `train_mlps`: the MLP modules `bench_train` trains (HF's class, `gated_mlp` in both modes, Liger's);
+- `train_mlps`: the MLP modules `bench_train` trains (HF's class, `gated_mlp` in both modes, Liger's,
+  quack's);
 - `fwd_bwd`: one forward + backward of a way as a training step, its saved and peak memory, and
   its gradients' errors against float64;
 - `host_time`: host time per call from an idle GPU, and rounds of eager-vs-patched turns;

@@ -8,11 +8,14 @@ weights: x [M, K] -> y [M, K] in the weights' dtype.
 - `liger_modules`: Liger-Kernel's MLP classes for the activation, loaded with the eager
   module's state dict (`LigerSwiGLUMLP` and `LigerMLP` for silu, `LigerGEGLUMLP` otherwise);
   LigerMLP takes [B, S, K] only and runs on x as [1, M, K] (`Batched`).
+- `quack_module`: quack's gated MLP (`quack.mlp.mlp_func`, CuTe DSL kernels for Hopper and
+  Blackwell) with the eager module's weights, gate and up rows interleaved one by one
+  ([2I, K], row 2j gate j, row 2j + 1 up j), as quack takes them.
 - `gemm_floor_module`: not an MLP. The six GEMMs of a gated MLP's forward + backward alone, at
   cuBLAS's speed, with no activation, derivative or other elementwise op: the time any design
   built on cuBLAS-speed GEMMs cannot go below. Its gradients are not the MLP's.
 
-transformers, swiglu_patch and Liger are imported only when a module is built, never at import.
+transformers, swiglu_patch, Liger and quack are imported only when a module is built, never at import.
 """
 
 from __future__ import annotations
@@ -97,6 +100,84 @@ def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
         except Exception as e:  # noqa: BLE001 - recorded, the others still run
             out[name] = f"{type(e).__name__}: {e}"
     return out
+
+
+# bench_train's activation names -> quack's gated activations (both tanh-approximated GELU for gelu_tanh)
+_QUACK_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
+
+
+def quack_module(act: str, eager: torch.nn.Module, check_tokens: int = 256) -> torch.nn.Module | str:
+    """quack's gated MLP in its store mode (`mlp_func`: `gemm_gated` writes the pre-activation
+    [M, 2I] and h from one GEMM's epilogue; `gemm_dgated` computes dH = dY @ Wd and writes dP
+    from its epilogue; cuBLAS-free), untuned (`tuned=False`: quack's default tile, no
+    autotuning), on copies of eager's weights. Before it is timed, y and dx on `check_tokens`
+    random tokens must match eager's within 3e-2 relative error (bf16 and fp16 noise is ~4e-3).
+
+    Returns:
+        the module, or a message naming why it cannot run (quack-kernels not installed, no
+        kernel for this GPU, its output differs from eager's).
+    """
+    try:
+        from quack.mlp import mlp_func
+    except Exception as e:  # noqa: BLE001 - ImportError, or its CUDA libraries failing to load
+        return f"quack-kernels not installed ({type(e).__name__}: {str(e)[:120]})"
+    from .accuracy import rel_error
+
+    activation = _QUACK_ACTIVATIONS[act]
+
+    class QuackMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            with torch.no_grad():
+                w = torch.stack([eager.gate_proj.weight, eager.up_proj.weight], dim=1).flatten(0, 1)
+            self.fc1 = torch.nn.Parameter(w.contiguous())
+            self.fc2 = torch.nn.Parameter(eager.down_proj.weight.detach().clone())
+
+        def forward(self, x):
+            return mlp_func(x, self.fc1, self.fc2, activation=activation, tuned=False)
+
+    module = QuackMLP()
+    weight = eager.gate_proj.weight
+    gen = torch.Generator(weight.device).manual_seed(0)
+    x = torch.randn(check_tokens, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
+    dy = torch.randn(check_tokens, weight.shape[1], device=weight.device, dtype=weight.dtype, generator=gen)
+    results = []
+    try:
+        for mod in (module, eager):
+            xi = x.clone().requires_grad_(True)
+            y = mod(xi)
+            y.backward(dy)
+            results.append((y.detach(), xi.grad))
+    except Exception as e:  # noqa: BLE001 - recorded, the other ways still run
+        return f"quack: {type(e).__name__}: {str(e)[:200]}"
+    finally:
+        for p in (*module.parameters(), *eager.parameters()):
+            p.grad = None
+    errors = {n: rel_error(a, b.double()) for n, a, b in zip(("y", "dx"), results[0], results[1])}
+    if any(not e <= 3e-2 for e in errors.values()):
+        return f"quack: differs from HF eager ({', '.join(f'{n} {e:.1e}' for n, e in errors.items())})"
+    return module
+
+
+def quack_parts(act: str, x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor, dy: torch.Tensor) -> dict:
+    """{name: (fn, flops as a multiple of M*K*I)} of quack's two fused GEMMs alone, untuned, on
+    x [M, K], w [2I, K], wd [K, I], dy [M, K] (buffers made here): the forward's gated GEMM
+    storing P and the backward's dY @ Wd with the gated derivative writing dP and h. {} where
+    quack-kernels is not installed. Timing only: P holds the forward's values, laid out as quack's."""
+    try:
+        from quack.gemm_interface import gemm_dgated_out, gemm_gated_out
+    except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries failing to load
+        return {}
+    activation = _QUACK_ACTIVATIONS[act]
+    m, i = x.shape[0], wd.shape[1]
+    preact, dpreact = x.new_empty(m, 2 * i), x.new_empty(m, 2 * i)
+    h = x.new_empty(m, i)
+    return {
+        "fwd: quack gemm_gated + P store (untuned)": (
+            lambda: gemm_gated_out(x, w.T, preact, h, activation=activation, tuned=False), 4),
+        "bwd: quack gemm_dgated: dY @ Wd + derivative -> dP, h (untuned)": (
+            lambda: gemm_dgated_out(dy, wd, preact, dpreact, h, activation=activation, tuned=False), 2),
+    }
 
 
 class _SixGemms(torch.autograd.Function):

@@ -161,3 +161,58 @@ def test_batched_hands_a_3d_only_module_a_batch_of_one():
     x = torch.randn(5, 3)
     torch.testing.assert_close(mod(x), x @ inner.w.T)
     assert mod(x[None]).shape == (1, 5, 4) and [n for n, _ in mod.named_parameters()] == ["inner.w"]
+
+
+def _fake_quack(monkeypatch, swap: bool):
+    """A stand-in `quack.mlp` whose mlp_func is quack's math in PyTorch (its fallback path: the
+    fc1 output's even columns are gate, its odd ones up), or that math with gate and up swapped."""
+    import sys
+    import types
+
+    import torch
+
+    acts = {"swiglu": lambda g, u: torch.nn.functional.silu(g) * u,
+            "geglu": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u}
+
+    def mlp_func(x, weight1, weight2, activation, tuned=True):
+        p = x @ weight1.T
+        gate, up = (p[..., 1::2], p[..., ::2]) if swap else (p[..., ::2], p[..., 1::2])
+        return acts[activation](gate, up) @ weight2.T
+
+    quack, mlp = types.ModuleType("quack"), types.ModuleType("quack.mlp")
+    mlp.mlp_func = mlp_func
+    quack.mlp = mlp
+    monkeypatch.setitem(sys.modules, "quack", quack)
+    monkeypatch.setitem(sys.modules, "quack.mlp", mlp)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_quack_module_is_checked_against_hf_eager_before_it_is_timed(monkeypatch, act):
+    import torch
+
+    from benchmarks.harness.train_mlps import eager_module, quack_module
+
+    torch.manual_seed(0)
+    eager, _ = eager_module(act, 32, 48, "cpu", torch.float32)
+    _fake_quack(monkeypatch, swap=False)
+    module = quack_module(act, eager, check_tokens=7)
+    assert isinstance(module, torch.nn.Module)
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(module(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for p in (*module.parameters(), *eager.parameters()))  # the check leaves no gradient
+    _fake_quack(monkeypatch, swap=True)
+    message = quack_module(act, eager, check_tokens=7)
+    assert isinstance(message, str) and "differs from HF eager" in message
+
+
+def test_quack_module_names_a_missing_install(monkeypatch):
+    import sys
+
+    import torch
+
+    from benchmarks.harness.train_mlps import eager_module, quack_module
+
+    monkeypatch.setitem(sys.modules, "quack", None)  # import quack raises ImportError
+    eager, _ = eager_module("silu", 32, 48, "cpu", torch.float32)
+    message = quack_module("silu", eager)
+    assert isinstance(message, str) and message.startswith("quack-kernels not installed")
