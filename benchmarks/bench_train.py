@@ -216,7 +216,7 @@ def parts(row: Row, device, timer: EventTimer) -> dict:
 # -- 2. the table --------------------------------------------------------------------------
 
 
-def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
+def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool, quack_tuned: bool = False) -> dict:
     """Every way's fwd + bwd time, saved and peak memory on one row, and the targets."""
     import torch
 
@@ -225,7 +225,7 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool) -> dict:
     ways = {"hf_eager": eager}
     if device.type == "cuda":
         ways |= {n: m for n, m in liger_modules(row.act, config, eager).items() if liger_mlp or "LigerMLP" not in n}
-        ways["quack (mlp_func, untuned)"] = quack_module(row.act, eager)
+        ways[f"quack (mlp_func, {'tuned' if quack_tuned else 'untuned'})"] = quack_module(row.act, eager, tuned=quack_tuned)
     ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute"),
              FLOOR: gemm_floor_module(eager)}
     x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
@@ -345,6 +345,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--reps", type=int, default=10, help="timed calls per way per round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-liger-mlp", action="store_true", help="skip LigerMLP (it autotunes 2 x 32 configs per M)")
+    p.add_argument("--quack-tuned", action="store_true",
+                   help="time quack's MLP with its autotuner (about 3 minutes per row on an H100) instead of untuned")
     return p.parse_args(argv)
 
 
@@ -397,7 +399,7 @@ def _main(argv: list[str] | None) -> int:
         if cuda and not liger_mlp:
             print("  LigerMLP skipped (--no-liger-mlp, not bf16, or past half the budget)", flush=True)
         try:
-            r = table_row(row, device, timer, liger_mlp)
+            r = table_row(row, device, timer, liger_mlp, args.quack_tuned)
         except Exception as e:  # noqa: BLE001 - recorded; the rest runs
             traceback.print_exc()
             r = {"row": dataclasses.asdict(row), "ways": {"all": {"error": f"{type(e).__name__}: {str(e)[:300]}"}},

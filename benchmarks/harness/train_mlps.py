@@ -106,12 +106,15 @@ def liger_modules(act: str, config, eager: torch.nn.Module) -> dict:
 _QUACK_ACTIVATIONS = {"silu": "swiglu", "gelu_tanh": "geglu"}
 
 
-def quack_module(act: str, eager: torch.nn.Module, check_tokens: int = 256) -> torch.nn.Module | str:
+def quack_module(act: str, eager: torch.nn.Module, check_tokens: int = 256,
+                 tuned: bool = False) -> torch.nn.Module | str:
     """quack's gated MLP in its store mode (`mlp_func`: `gemm_gated` writes the pre-activation
     [M, 2I] and h from one GEMM's epilogue; `gemm_dgated` computes dH = dY @ Wd and writes dP
-    from its epilogue; cuBLAS-free), untuned (`tuned=False`: quack's default tile, no
-    autotuning), on copies of eager's weights. Before it is timed, y and dx on `check_tokens`
-    random tokens must match eager's within 3e-2 relative error (bf16 and fp16 noise is ~4e-3).
+    from its epilogue; cuBLAS-free) on copies of eager's weights; untuned by default (quack's
+    default tiles), or with quack's autotuner (`tuned`: each GEMM shape tunes on its first call,
+    about 3 minutes per M on the Llama-3-8B shape on an H100). Before it is timed, y and dx on
+    `check_tokens` random tokens must match eager's within 3e-2 relative error (bf16 and fp16
+    noise is ~4e-3).
 
     Returns:
         the module, or a message naming why it cannot run (quack-kernels not installed, no
@@ -134,7 +137,7 @@ def quack_module(act: str, eager: torch.nn.Module, check_tokens: int = 256) -> t
             self.fc2 = torch.nn.Parameter(eager.down_proj.weight.detach().clone())
 
         def forward(self, x):
-            return mlp_func(x, self.fc1, self.fc2, activation=activation, tuned=False)
+            return mlp_func(x, self.fc1, self.fc2, activation=activation, tuned=tuned)
 
     module = QuackMLP()
     weight = eager.gate_proj.weight

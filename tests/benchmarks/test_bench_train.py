@@ -163,9 +163,10 @@ def test_batched_hands_a_3d_only_module_a_batch_of_one():
     assert mod(x[None]).shape == (1, 5, 4) and [n for n, _ in mod.named_parameters()] == ["inner.w"]
 
 
-def _fake_quack(monkeypatch, swap: bool):
+def _fake_quack(monkeypatch, swap: bool) -> list:
     """A stand-in `quack.mlp` whose mlp_func is quack's math in PyTorch (its fallback path: the
-    fc1 output's even columns are gate, its odd ones up), or that math with gate and up swapped."""
+    fc1 output's even columns are gate, its odd ones up), or that math with gate and up swapped.
+    Returns the list of the `tuned` flags it is called with."""
     import sys
     import types
 
@@ -174,7 +175,10 @@ def _fake_quack(monkeypatch, swap: bool):
     acts = {"swiglu": lambda g, u: torch.nn.functional.silu(g) * u,
             "geglu": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u}
 
+    calls = []
+
     def mlp_func(x, weight1, weight2, activation, tuned=True):
+        calls.append(tuned)
         p = x @ weight1.T
         gate, up = (p[..., 1::2], p[..., ::2]) if swap else (p[..., ::2], p[..., 1::2])
         return acts[activation](gate, up) @ weight2.T
@@ -184,6 +188,7 @@ def _fake_quack(monkeypatch, swap: bool):
     quack.mlp = mlp
     monkeypatch.setitem(sys.modules, "quack", quack)
     monkeypatch.setitem(sys.modules, "quack.mlp", mlp)
+    return calls
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
@@ -203,6 +208,8 @@ def test_quack_module_is_checked_against_hf_eager_before_it_is_timed(monkeypatch
     _fake_quack(monkeypatch, swap=True)
     message = quack_module(act, eager, check_tokens=7)
     assert isinstance(message, str) and "differs from HF eager" in message
+    calls = _fake_quack(monkeypatch, swap=False)
+    assert isinstance(quack_module(act, eager, check_tokens=7, tuned=True), torch.nn.Module) and calls == [True]
 
 
 def test_quack_module_names_a_missing_install(monkeypatch):
