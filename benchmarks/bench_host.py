@@ -18,7 +18,11 @@ under torch.inference_mode() as `generate` runs them:
   under gated_linear's checks (GPU only);
 - `F.linear`: cuBLAS `F.linear(x [1, K], Wg [I, K])`, one of the projections eager runs;
 - `mlp_eager`: the model's MLP module (LlamaMLP, Qwen2MLP) on x [1, 1, K]: gate, up, act, mul, down;
-- `mlp_patched`: the same MLP after `apply_fused_mlp`: FusedGatedMLP, the gated GEMM then down.
+- `mlp_patched`: the same MLP after `apply_fused_mlp`: FusedGatedMLP, the gated GEMM then down;
+- `mlp_train_eager`, `mlp_train_patched`: a training step's part of the two MLPs, forward +
+  backward on x [1, TRAIN_TOKENS, K] with every weight trainable and the gradients set to None
+  first, as a Trainer's zero_grad does (outside inference_mode; the patched one runs the fused
+  training op, store mode).
 
 Targets (issue 18): `gated_linear` at most 25 µs; `mlp_patched` at most 0.75x `mlp_eager`.
 `--profile` adds a cProfile of `--profile-calls` patched MLP forwards (each from idle): the
@@ -51,7 +55,8 @@ from .harness.models import MODELS, TINY, build_model, mlps
 
 PROG = "python -m benchmarks.bench_host"
 SCHEMA = 1
-WAYS = ("gated_linear", "gated_gemm", "F.linear", "mlp_eager", "mlp_patched")
+WAYS = ("gated_linear", "gated_gemm", "F.linear", "mlp_eager", "mlp_patched", "mlp_train_eager", "mlp_train_patched")
+TRAIN_TOKENS = 16  # the training ways' x: few tokens, so the step's GPU work is short beside its host time
 GATED_LINEAR_TARGET_US = 25.0
 MLP_TARGET = 0.75
 
@@ -75,9 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_ways(dims, device: torch.device, dtype: torch.dtype, backend: str, seed: int) -> tuple[dict, dict]:
-    """({way: zero-argument callable}, {way: why it is skipped}); the MLPs are one layer's, built
-    from one seed, one of them patched."""
+def build_ways(dims, device: torch.device, dtype: torch.dtype, backend: str, seed: int) -> tuple[dict, dict, tuple]:
+    """({way: zero-argument callable}, {way: why it is skipped}, (eager MLP, patched MLP)); the
+    MLPs are one layer's, built from one seed, one of them patched."""
     from swiglu_patch import FusedGatedMLP, apply_fused_mlp, gated_linear, pack_gate_up
 
     eager, patched = (build_model(dims, 1, device, dtype, seed, vocab=256) for _ in range(2))
@@ -102,7 +107,25 @@ def build_ways(dims, device: torch.device, dtype: torch.dtype, backend: str, see
     ways["F.linear"] = lambda: F.linear(x2, gate)
     ways["mlp_eager"] = lambda: mlp_eager(x3)
     ways["mlp_patched"] = lambda: mlp_patched(x3)
-    return ways, skipped
+    return ways, skipped, (mlp_eager, mlp_patched)
+
+
+def train_ways(mlps_pair, hidden: int, device: torch.device, dtype: torch.dtype) -> dict:
+    """{way: zero-argument callable}: forward + backward of each MLP on x [1, TRAIN_TOKENS, K]
+    (grad mode on), its parameters' gradients set to None first."""
+    x = torch.randn(1, TRAIN_TOKENS, hidden, device=device, dtype=dtype)
+    dy = torch.randn(1, TRAIN_TOKENS, hidden, device=device, dtype=dtype)
+
+    def step(mlp):
+        params = [p.requires_grad_() for p in mlp.parameters()]
+
+        def call():
+            for p in params:
+                p.grad = None
+            mlp(x).backward(dy)
+        return call
+
+    return {"mlp_train_eager": step(mlps_pair[0]), "mlp_train_patched": step(mlps_pair[1])}
 
 
 def profile_calls(fn, calls: int, sync) -> str:
@@ -134,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     data = {
         "schema": SCHEMA, "kind": "bench_host", "env": environment(device, args.commit),
         "shape": {"name": dims.name, "label": dims.label, "hidden": dims.hidden, "intermediate": dims.intermediate,
-                  "M": 1, "dtype": str(dtype).removeprefix("torch.")},
+                  "M": 1, "train_M": TRAIN_TOKENS, "dtype": str(dtype).removeprefix("torch.")},
         "settings": {"calls": args.calls, "rounds": args.rounds, "backend": backend, "dry_run": args.dry_run,
                      "stat": "host wall time of one call started on an idle device (synchronized before "
                              "it), ways in turns, order reversed every other round; median (p10-p90) of all calls"},
@@ -142,11 +165,14 @@ def run(args: argparse.Namespace) -> dict:
     }
     t0 = time.perf_counter()
     with torch.inference_mode():
-        ways, skipped = build_ways(dims, device, dtype, backend, args.seed)
+        ways, skipped, _ = build_ways(dims, device, dtype, backend, args.seed)
         samples = host_from_idle(ways, args.calls, args.rounds, sync)
-        data["ways"] = {w: us_stats(samples[w]) if w in samples else {"skipped": skipped[w]} for w in WAYS}
         if args.profile:
             data["profile_mlp_patched"] = profile_calls(ways["mlp_patched"], args.profile_calls, sync)
+    # the training ways need autograd: MLPs built anew outside inference_mode (its tensors cannot be saved)
+    _, _, mlp_pair = build_ways(dims, device, dtype, backend, args.seed)
+    samples |= host_from_idle(train_ways(mlp_pair, dims.hidden, device, dtype), args.calls, args.rounds, sync)
+    data["ways"] = {w: us_stats(samples[w]) if w in samples else {"skipped": skipped[w]} for w in WAYS}
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     return data
 
@@ -172,7 +198,8 @@ def render_markdown(data: dict) -> str:
         "# Host time per call, from an idle device" + (" (dry run on CPU: numbers mean nothing)" if s["dry_run"] else ""),
         "",
         f"- {shape['label']} shape: K = {shape['hidden']}, I = {shape['intermediate']}, M = 1, {shape['dtype']}, "
-        "torch.inference_mode()",
+        "torch.inference_mode()" + (f"; the training ways (forward + backward, grad on) M = {shape['train_M']}, their "
+                                    "column / mlp_eager is over `mlp_train_eager`" if "train_M" in shape else ""),
         f"- GPU: {env['gpu'].get('name')}, driver {env['gpu'].get('driver', '–')}; host CPU {env['host'].get('cpu')}",
         f"- torch {v.get('torch')}, triton {v.get('triton')}, transformers {v.get('transformers')}, python "
         f"{v.get('python')}",
@@ -182,8 +209,9 @@ def render_markdown(data: dict) -> str:
         "| way | median µs | p10-p90 µs | / F.linear | / mlp_eager |",
         "|---|---|---|---|---|",
     ]
-    lin, mlp = _us(data, "F.linear"), _us(data, "mlp_eager")
-    for way in WAYS:
+    lin = _us(data, "F.linear")
+    for way in (w for w in WAYS if w in data["ways"]):  # results from before the training ways lack them
+        mlp = _us(data, "mlp_train_eager" if way.startswith("mlp_train") else "mlp_eager")
         w = data["ways"].get(way, {})
         if "median_us" not in w:
             lines.append(f"| `{way}` | skipped: {w.get('skipped', 'not measured')} | | | |")

@@ -231,8 +231,9 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     top_k_index and top_k_weights [T, top_k] -> [T, K], in hidden_states' dtype.
 
     On CUDA (or with backend "triton") the fused kernels run; on CPU `experts_reference`. Where
-    autograd needs a gradient, the kernels run as ``swiglu_patch::experts_train``, whose
-    registered backward (`kernels/experts_backward.py`) gives x, the 3-D weights, the biases and
+    autograd needs a gradient, the kernels run as ``swiglu_patch::experts_train`` (eager calls:
+    `ops.ExpertsTrain`, the same functions without the op's dispatch), whose backward
+    (`kernels/experts_backward.py`) gives x, the 3-D weights, the biases and
     the routing weights their gradients, saving what the module's mode says (`set_experts_mode`:
     "store" keeps the pairs' [S, 2I] pre-activation, "recompute" only x); `experts_reference` is
     differentiable as it is. A module set by `apply_fused_mlp` keeps its backend in `_swiglu_backend`.
@@ -272,9 +273,9 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
             *low_rank[3:5], low_rank.gate_up_scale, low_rank.down_scale, *args, store and needs_grad)[0]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
-    if needs_grad:  # training: the op with the registered backward
-        return ops.experts_train_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
-                                    *args, store)[0]
+    if needs_grad:  # training: the op with its backward (`ops.experts_train_autograd`)
+        return ops.experts_train_autograd(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
+                                          down_bias, *args, store)[0]
     if torch.compiler.is_compiling():  # one opaque op for the compiler
         return ops.experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *args)
     return ops.experts_kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue,

@@ -13,6 +13,10 @@
   pre-activation or not (store or recompute mode), with its autograd formula registered on it;
 - ``swiglu_patch::experts_backward`` (`experts_backward_op`): the experts block's gradients, writing dP over P.
 
+Eager calls of the two training ops go through autograd.Functions built from the same functions
+(`GatedMlp`, `ExpertsTrain`: `gated_mlp_autograd`, `experts_train_autograd`), which skip
+torch.library's per-call dispatch; torch.compile traces the registered ops.
+
 Every op takes the epilogue as plain values (`epilogue_args`, read back by `epilogue_of`) and
 runs the kernels (`dispatcher()`: `swiglu_patch.kernels.dispatch`, imported on first use so
 that the torch backend needs no Triton) or, for the MLP ops with backend "torch", the same
@@ -160,8 +164,19 @@ def _experts_args(activation, gate_scale, out_scale, clamp, limit, alpha, transp
             ExpertsLayout(transposed, concatenated))
 
 
-@torch.library.custom_op("swiglu_patch::experts_train", mutates_args=())
-def experts_train_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
+def _mutated(fn, arg: int):
+    """fn, then autograd's version counter of its argument `arg` bumped, as the registered op's
+    ADInplaceOrView kernel does for an argument it declares mutated: the kernels write dP over P by
+    pointer, and a second backward through the graph must find the saved P changed and raise."""
+    def call(*args):
+        out = fn(*args)
+        if args[arg] is not None:
+            torch.autograd.graph.increment_version(args[arg])
+        return out
+    return call
+
+
+def _experts_train(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
                      down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
                      activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float, alpha: float,
                      transposed: bool, concatenated: bool, store_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +192,9 @@ def experts_train_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     return out, x.new_empty(0)
 
 
+experts_train_op = torch.library.custom_op("swiglu_patch::experts_train", _experts_train, mutates_args=())
+
+
 @experts_train_op.register_fake
 def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, activation, gate_scale, out_scale, clamp,
       limit, alpha, transposed, concatenated, store_preact):
@@ -185,8 +203,7 @@ def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, act
     return x.new_empty((x.shape[0], down.shape[2] if transposed else down.shape[1])), preact
 
 
-@torch.library.custom_op("swiglu_patch::experts_backward", mutates_args=("preact",))
-def experts_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+def _experts_grads(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
                         down_bias: torch.Tensor | None, preact: torch.Tensor | None, activation: str, gate_scale: float,
                         out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool, concatenated: bool,
@@ -199,6 +216,10 @@ def experts_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.
     grads = experts_training_kernels().experts_backward(dout, x, top_k_index, top_k_weights, gate_up, down, epilogue,
                                                         layout, gate_up_bias, down_bias, preact, tuple(needs))
     return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+experts_backward_op = torch.library.custom_op("swiglu_patch::experts_backward", _experts_grads,
+                                              mutates_args=("preact",))
 
 
 @experts_backward_op.register_fake
@@ -217,6 +238,7 @@ def _experts_setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
                           preact if store_preact else None)
     ctx.experts_args = tuple(args)
+    ctx.grads = experts_backward_op
 
 
 def _experts_backward(ctx, dout, _dpreact):
@@ -226,13 +248,39 @@ def _experts_backward(ctx, dout, _dpreact):
         return (None,) * 7 + none
     x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact = ctx.saved_tensors
     needs = [need_x, need_gu, need_d, need_gub and gate_up_bias is not None, need_db and down_bias is not None, need_w]
-    grads = experts_backward_op(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact,
+    grads = ctx.grads(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact,
                                 *ctx.experts_args, needs)
     dx, dgu, dd, dgub, ddb, dw = (g if n else None for g, n in zip(grads, needs))
     return (dx, None, dw, dgu, dd, dgub, ddb) + none
 
 
 experts_train_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+
+
+_experts_grads_eager = _mutated(_experts_grads, 8)
+
+
+class ExpertsTrain(torch.autograd.Function):
+    """`experts_train_op` for eager calls, as `GatedMlp` is `gated_mlp_op`'s: the same forward,
+    saved tensors and backward (calling `_experts_grads` directly), without torch.library's
+    dispatch (its `fill_defaults` walks the op's 16 schema arguments once per argument)."""
+
+    forward = staticmethod(_experts_train)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _experts_setup_context(ctx, inputs, output)
+        ctx.grads = _experts_grads_eager
+
+    backward = staticmethod(_experts_backward)
+
+
+def experts_train_autograd(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`experts_train_op`'s arguments and outputs, differentiable: the registered op while
+    torch.compile traces, `ExpertsTrain` otherwise."""
+    if torch.compiler.is_compiling():
+        return experts_train_op(*args)
+    return ExpertsTrain.apply(*args)
 
 
 # -- training: the backward epilogue in PyTorch (the spec of the kernels' derivative) ----------
@@ -299,8 +347,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- training: the MLP op and its backward ------------------------------------------------------
 
 
-@torch.library.custom_op("swiglu_patch::gated_mlp", mutates_args=())
-def gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
+def _gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
                  down_weight: torch.Tensor, x_lr: torch.Tensor | None, b_lr: torch.Tensor | None, activation: str,
                  gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, return_h: bool,
                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -329,6 +376,9 @@ def gated_mlp_op(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: to
         h = epilogue.apply(gate, up).to(x.dtype)
         preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
     return h, x.new_empty(0) if preact is None else preact, _dy_route(x, down_weight)
+
+
+gated_mlp_op = torch.library.custom_op("swiglu_patch::gated_mlp", _gated_mlp, mutates_args=())
 
 
 def _dy_route(x: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
@@ -364,8 +414,7 @@ class GatedMlpDown(torch.autograd.Function):
         return None, None, _sum_rows(dy) if ctx.needs_input_grad[2] else None, dy
 
 
-@torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", mutates_args=("preact",))
-def gated_mlp_dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
+def _gated_mlp_dpreact(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
                          activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
                          backend: str) -> torch.Tensor:
     """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
@@ -384,6 +433,10 @@ def gated_mlp_dpreact_op(dy: torch.Tensor, down_weight: torch.Tensor, preact: to
     return h.to(dy.dtype)
 
 
+gated_mlp_dpreact_op = torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", _gated_mlp_dpreact,
+                                               mutates_args=("preact",))
+
+
 @gated_mlp_dpreact_op.register_fake
 def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
     return dy.new_empty((dy.shape[0], down_weight.shape[1]))
@@ -399,6 +452,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
                           preact if store_preact else None, x_lr, b_lr)
     ctx.epilogue_args, ctx.store_preact, ctx.return_h, ctx.backend = tuple(epilogue), store_preact, return_h, backend
+    ctx.dpreact = gated_mlp_dpreact_op
 
 
 def _sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -421,7 +475,7 @@ def _backward(ctx, dh_in, _dpreact, dy):
             preact = F.linear(x, gate_up_weight, gate_up_bias)
             if x_lr is not None:
                 preact = torch.addmm(preact, x_lr, b_lr.t())
-        h = gated_mlp_dpreact_op(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
+        h = ctx.dpreact(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
         dpreact = preact  # dP now, written over P
         # dWd [K, I] needs h [M, I]; the other GEMMs need dP [M, 2I], alive to the last of them. Either h
         # or dWd lives beside dP, dW and dx at the peak: dWd first (h freed) unless M < K in recompute
@@ -448,3 +502,34 @@ def _backward(ctx, dh_in, _dpreact, dy):
 
 
 gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+_gated_mlp_dpreact_eager = _mutated(_gated_mlp_dpreact, 2)
+
+
+class GatedMlp(torch.autograd.Function):
+    """`gated_mlp_op` for eager calls: the same forward (`_gated_mlp`), saved tensors and backward
+    (`_backward`, which calls the backward GEMM's function, `_gated_mlp_dpreact`, directly too,
+    bumping P's version as the op's declared mutation does),
+    without torch.library's dispatch around them: its `fill_defaults` alone walks the op's 14
+    schema arguments once per argument, 56 µs a call on the CI machine's CPU. torch.compile traces
+    the registered ops instead (`gated_mlp_autograd`)."""
+
+    forward = staticmethod(_gated_mlp)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.dpreact = _gated_mlp_dpreact_eager
+
+    backward = staticmethod(_backward)
+
+
+def gated_mlp_autograd(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_mlp_op`'s arguments and outputs, differentiable: `GatedMlp` for eager calls on the
+    kernels; the registered op while torch.compile traces (one opaque op, its backward registered)
+    and for backend "torch" (the reference, whose PyTorch temporaries the op's boundary keeps out
+    of what `tests/training/test_backward_memory.py` counts, as the kernels have none)."""
+    if torch.compiler.is_compiling() or args[-1] != "triton":
+        return gated_mlp_op(*args)
+    return GatedMlp.apply(*args)

@@ -50,7 +50,7 @@ import torch
 from .kernels.epilogue import GatedEpilogue
 from .kernels.layout import PackedGateUp
 from .low_rank import check_low_rank
-from .ops import epilogue_args, gated_epilogue_grad_reference, GatedMlpDown, gated_mlp_op, resolve_backend
+from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_autograd, GatedMlpDown, resolve_backend
 
 __all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved"]
 
@@ -116,8 +116,8 @@ def gated_mlp_interleaved(
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in op_inputs)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
-    h, _, dy_route = gated_mlp_op(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
-                                  return_h, backend)
+    h, _, dy_route = gated_mlp_autograd(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
+                                        return_h, backend)
     y = GatedMlpDown.apply(h, down_weight, down_bias, dy_route)
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])

@@ -17,14 +17,15 @@ def test_dry_run_times_the_ways_and_profiles(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["kind"] == "bench_host" and data["env"]["git"]["commit"] == "abc123"
     assert data["shape"]["M"] == 1 and data["settings"]["dry_run"]
-    for way in ("gated_linear", "F.linear", "mlp_eager", "mlp_patched"):
+    for way in ("gated_linear", "F.linear", "mlp_eager", "mlp_patched", "mlp_train_eager", "mlp_train_patched"):
         w = data["ways"][way]
         assert w["calls"] == 6 and 0 < w["p10_us"] <= w["median_us"] <= w["p90_us"], way
     assert "interpreter" in data["ways"]["gated_gemm"]["skipped"]
     profile = (tmp_path / "profile_mlp_patched.txt").read_text()
     assert "cProfile of 3 calls" in profile and "swiglu_patch" in profile  # the patched path ran
     md = (tmp_path / "results.md").read_text()
-    assert "| `mlp_patched` |" in md and "## Where the patched MLP forward's host time goes" in md
+    assert "| `mlp_patched` |" in md and "| `mlp_train_patched` |" in md
+    assert "## Where the patched MLP forward's host time goes" in md and data["shape"]["train_M"] == 16
     (tmp_path / "results.md").unlink()
     assert bench_host.main(["--render", str(tmp_path / "results.json")]) == 0
     assert (tmp_path / "results.md").read_text() == md

@@ -329,3 +329,48 @@ def test_thirty_steps_on_the_pytorch_path_as_eager():
         runs.append(_train(model, ids, 30, lr=0.2))
     for (loss0, aux0), (loss1, aux1) in zip(*runs):
         assert abs(loss1 - loss0) <= 1e-5 * abs(loss0) and abs(aux1 - aux0) <= 1e-5 * abs(aux0)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
+    """`ops.ExpertsTrain` (what eager calls run) gives the registered op's output and gradients bit
+    for bit, and never enters torch.library's dispatch; under torch.compile the graph holds the op."""
+    x, index, weights, w, args = _op_case(store)
+    leaves = (x, weights, *w)
+    dout = torch.randn(6, 24, device=DEVICE)
+
+    def run(fn):
+        out = fn(x, index, weights, *w, *args)[0]
+        return out.detach(), torch.autograd.grad(out, leaves, dout)
+
+    want = run(ops.experts_train_op)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
+        got = run(ops.ExpertsTrain.apply)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda *t: ops.experts_train_autograd(t[0], index, t[1], *t[2:], *args)[0].sum(),
+                  backend=recording_backend, fullgraph=True)(*leaves)
+    assert "swiglu_patch.experts_train.default" in targets, targets
+
+
+@pytest.mark.parametrize("train", ["registered op", "eager function"])
+def test_store_mode_backpropagates_a_graph_once(train):
+    """The backward writes dP over the saved P: a second backward through a store-mode graph raises
+    autograd's in-place error on either path instead of reading dP as P; recompute's runs."""
+    fn = ops.experts_train_op if train == "registered op" else ops.ExpertsTrain.apply
+    for store in (True, False):
+        x, index, weights, w, args = _op_case(store)
+        out = fn(x, index, weights, *w, *args)[0]
+        dout = torch.randn_like(out)
+        first = torch.autograd.grad(out, x, dout, retain_graph=True)[0]
+        if store:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out, x, dout)
+        else:
+            assert torch.equal(torch.autograd.grad(out, x, dout)[0], first)

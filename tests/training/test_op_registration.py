@@ -1,4 +1,5 @@
-"""The registered ops around `gated_mlp`: opcheck, what the forward saves, torch.compile, errors.
+"""The registered ops around `gated_mlp`: opcheck, what the forward saves, torch.compile, the eager
+path beside the registered op, errors.
 
 What each mode may save for the backward, beyond x and the weights (the issue's budget):
 store the interleaved pre-activation P [M, 2*I] and nothing else; recompute nothing.
@@ -11,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from swiglu_patch import training
 from swiglu_patch.kernels.layout import PackedGateUp
-from swiglu_patch.ops import GatedMlpDown, gated_gemm_low_rank_op, gated_mlp_dpreact_op, gated_mlp_op
+from swiglu_patch.ops import GatedMlp, GatedMlpDown, gated_gemm_low_rank_op, gated_mlp_dpreact_op, gated_mlp_op
 from swiglu_patch.training import gated_mlp
 
 BACKEND = "triton"  # under the interpreter on CPU
@@ -88,7 +89,7 @@ def test_checkpoint_recomputation_stops_before_the_down_gemm(mode, after, monkey
     dy = torch.randn(x.shape[0], wd.shape[0], device=DEVICE)
     want = torch.autograd.grad(layer(*leaves), leaves, dy)
     calls = []
-    monkeypatch.setattr(training, "gated_mlp_op", _counted(gated_mlp_op, "gated_mlp_op", calls))
+    monkeypatch.setattr(training, "gated_mlp_autograd", _counted(training.gated_mlp_autograd, "gated_mlp_op", calls))
     monkeypatch.setattr(GatedMlpDown, "forward", staticmethod(_counted(GatedMlpDown.forward, "down", calls)))
     y = checkpoint(layer, *leaves, use_reentrant=False)
     got = torch.autograd.grad(y, leaves, dy)
@@ -142,11 +143,13 @@ def test_only_the_down_bias_trainable_saves_nothing(monkeypatch):
     bd.requires_grad_(True)
     store_flags = []
 
+    eager_op = training.gated_mlp_autograd
+
     def recording(*args):
         store_flags.append(args[11])
-        return gated_mlp_op(*args)
+        return eager_op(*args)
 
-    monkeypatch.setattr(training, "gated_mlp_op", recording)
+    monkeypatch.setattr(training, "gated_mlp_autograd", recording)
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         y = gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", "store", BACKEND)
@@ -175,6 +178,50 @@ def test_torch_compile_store_mode_gradients_equal_eager():
     got = torch.autograd.grad(compiled(x, w, b, wd, bd), (x, w, b, wd, bd))
     for a, e in zip(got, eager):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", BACKEND])
+@pytest.mark.parametrize("store", [True, False])
+@pytest.mark.parametrize("low_rank", [False, True])
+def test_the_eager_function_equals_the_registered_op(backend, store, low_rank, monkeypatch):
+    """`GatedMlp` (what eager calls run) gives the registered op's outputs and gradients bit for
+    bit, and its forward and backward never enter torch.library's dispatch."""
+    x, w, b, wd, _ = _leaves(dtype=torch.float32)
+    x_lr = torch.randn(x.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
+    b_lr = torch.randn(w.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
+    leaves = [t for t in (x, w, b, wd, x_lr, b_lr) if t is not None]
+    args = (x, w, b, wd, x_lr, b_lr, "gelu_tanh", 0.9, 1.1, 0, 0.0, store, low_rank, backend)
+    dy = torch.randn(x.shape[0], wd.shape[0], device=DEVICE)
+    dh = torch.randn(x.shape[0], wd.shape[1], device=DEVICE)
+
+    def run(fn):
+        h, preact, route = fn(*args)
+        y = GatedMlpDown.apply(h, wd, None, route)
+        outs = (y, h) if low_rank else (y,)
+        grads = torch.autograd.grad(outs, leaves, (dy, dh) if low_rank else (dy,))
+        return [h.detach(), preact.detach().clone()] if not store else [h.detach()], grads
+
+    want = run(gated_mlp_op)
+    monkeypatch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
+    got = run(GatedMlp.apply)
+    for a, e in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+        assert torch.equal(a, e)
+
+
+def test_torch_compile_traces_the_registered_op():
+    """Under torch.compile `gated_mlp` is one opaque op, ``swiglu_patch::gated_mlp``, in the graph."""
+    x, w, b, wd, bd = _leaves(dtype=torch.float32)
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def loss(x, w, b, wd, bd):
+        return gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", "store", BACKEND).square().sum()
+
+    torch.compile(loss, backend=recording_backend, fullgraph=True)(x, w, b, wd, bd)
+    assert "swiglu_patch.gated_mlp.default" in targets, targets
 
 
 def test_errors_name_the_problem():
