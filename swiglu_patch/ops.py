@@ -177,9 +177,9 @@ def _mutated(fn, arg: int):
 
 
 def _experts_train(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up: torch.Tensor,
-                     down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-                     activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float, alpha: float,
-                     transposed: bool, concatenated: bool, store_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                   activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float, alpha: float,
+                   transposed: bool, concatenated: bool, store_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [T, K_out], P [S, 2I] or a 0-element tensor): `experts_op` that, with store_preact, also
     stores the pairs' pre-activation for the backward; its autograd formula is registered below
     (gradients to x, the 3-D weights, the biases and the routing weights)."""
@@ -204,11 +204,11 @@ def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, act
 
 
 def _experts_grads(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                        gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                        down_bias: torch.Tensor | None, preact: torch.Tensor | None, activation: str, gate_scale: float,
-                        out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool, concatenated: bool,
-                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor]:
+                   gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                   down_bias: torch.Tensor | None, preact: torch.Tensor | None, activation: str, gate_scale: float,
+                   out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool, concatenated: bool,
+                   needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
     """(dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dtop_k_weights) of the experts block for dOut
     [T, K_out] (`kernels/experts_backward.py`), a 0-element tensor for each one `needs` leaves out;
     a stored P (`preact`, [S, 2I]) is overwritten with dP, None recomputes it."""
@@ -249,7 +249,7 @@ def _experts_backward(ctx, dout, _dpreact):
     x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact = ctx.saved_tensors
     needs = [need_x, need_gu, need_d, need_gub and gate_up_bias is not None, need_db and down_bias is not None, need_w]
     grads = ctx.grads(dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact,
-                                *ctx.experts_args, needs)
+                      *ctx.experts_args, needs)
     dx, dgu, dd, dgub, ddb, dw = (g if n else None for g, n in zip(grads, needs))
     return (dx, None, dw, dgu, dd, dgub, ddb) + none
 
@@ -348,9 +348,9 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                 down_weight: torch.Tensor, x_lr: torch.Tensor | None, b_lr: torch.Tensor | None, activation: str,
-                 gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, return_h: bool,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               down_weight: torch.Tensor, x_lr: torch.Tensor | None, b_lr: torch.Tensor | None, activation: str,
+               gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, return_h: bool,
+               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MLP's first half, and its whole backward: (h [M, I], P [M, 2*I], dy_route [M, K]) for
     2-D x [M, K]. P is a 0-element tensor unless store_preact. dy_route is one element seen as
     [M, K] (strides 0, 0): `GatedMlpDown` takes it and hands dY back through it, so this op's
@@ -415,8 +415,8 @@ class GatedMlpDown(torch.autograd.Function):
 
 
 def _gated_mlp_dpreact(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
-                         activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
-                         backend: str) -> torch.Tensor:
+                       activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
+                       backend: str) -> torch.Tensor:
     """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
     an optional further gradient of h, dh_in [M, I] (added to dY @ Wd)."""
     epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
@@ -510,10 +510,10 @@ _gated_mlp_dpreact_eager = _mutated(_gated_mlp_dpreact, 2)
 class GatedMlp(torch.autograd.Function):
     """`gated_mlp_op` for eager calls: the same forward (`_gated_mlp`), saved tensors and backward
     (`_backward`, which calls the backward GEMM's function, `_gated_mlp_dpreact`, directly too,
-    bumping P's version as the op's declared mutation does),
-    without torch.library's dispatch around them: its `fill_defaults` alone walks the op's 14
-    schema arguments once per argument, 56 µs a call on the CI machine's CPU. torch.compile traces
-    the registered ops instead (`gated_mlp_autograd`)."""
+    bumping P's version as the op's declared mutation does), without torch.library's dispatch
+    around them: its `fill_defaults` alone walks the op's 14 schema arguments once per argument,
+    56 µs a call on the CI machine's CPU. torch.compile traces the registered ops instead
+    (`gated_mlp_autograd`)."""
 
     forward = staticmethod(_gated_mlp)
 
