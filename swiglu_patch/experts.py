@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import experts_lora, experts_lora_ops, ops
+from . import experts_lora, experts_lora_ops, experts_ops, ops
 from .kernels.epilogue import GatedEpilogue
 from .kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
 from .registry import Refused, activation_of_module
@@ -232,7 +232,7 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
 
     On CUDA (or with backend "triton") the fused kernels run; on CPU `experts_reference`. Where
     autograd needs a gradient, the kernels run as ``swiglu_patch::experts_train`` (eager calls:
-    `ops.ExpertsTrain`, the same functions without the op's dispatch), whose backward
+    `experts_ops.ExpertsTrain`, the same functions without the op's dispatch), whose backward
     (`kernels/experts_backward.py`) gives x, the 3-D weights, the biases and
     the routing weights their gradients, saving what the module's mode says (`set_experts_mode`:
     "store" keeps the pairs' [S, 2I] pre-activation, "recompute" only x); `experts_reference` is
@@ -273,13 +273,12 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
             *low_rank[3:5], low_rank.gate_up_scale, low_rank.down_scale, *args, store and needs_grad)[0]
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias))
-    if needs_grad:  # training: the op with its backward (`ops.experts_train_autograd`)
-        return ops.experts_train_autograd(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
-                                          down_bias, *args, store)[0]
+    operands = (hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias)
+    if needs_grad:  # training: the op with its backward (`experts_ops.experts_train_autograd`)
+        return experts_ops.experts_train_autograd(*operands, *args, store)[0]
     if torch.compiler.is_compiling():  # one opaque op for the compiler
-        return ops.experts_op(hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *args)
-    return ops.experts_kernels().experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, epilogue,
-                                                 layout, gate_up_bias, down_bias)
+        return experts_ops.experts_op(*operands, *args)
+    return experts_ops.experts_kernels().experts_forward(*operands[:5], epilogue, layout, gate_up_bias, down_bias)
 
 
 def set_experts_mode(model: nn.Module, mode: str) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from .kernels.experts_reference import ExpertsLowRank
-from .ops import _experts_args, dispatcher
+from .experts_ops import _experts_args
+from .ops import dispatcher
 
 
 def low_rank_kernels():

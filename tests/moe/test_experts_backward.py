@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from helpers import rel_err
-from swiglu_patch import apply_fused_mlp, ops
+from swiglu_patch import apply_fused_mlp, experts_ops, ops
 from swiglu_patch.experts import set_experts_mode
 from swiglu_patch.kernels import dispatch
 from swiglu_patch.kernels.epilogue import GatedEpilogue
@@ -237,7 +237,7 @@ def test_the_registered_op_through_autograd(store):
     dout = torch.randn(6, 24, device=DEVICE)
     leaves = [t.clone().requires_grad_() for t in (x, weights, *w)]
     args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha, layout.transposed, layout.concatenated, store)
-    out, preact = ops.experts_train_op(leaves[0], index, *leaves[1:], *args)
+    out, preact = experts_ops.experts_train_op(leaves[0], index, *leaves[1:], *args)
     assert preact.shape == ((12, 32) if store else (0,))
     out.backward(dout)
     ref = [t.double().requires_grad_() for t in (x, weights, *w)]
@@ -291,14 +291,15 @@ def test_opcheck_the_experts_ops(store):
     output a caller keeps (store mode's backward writes dP over the P the forward returned, as the dense op's)."""
     x, index, weights, w, args = _op_case(store)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
-    result = torch.library.opcheck(ops.experts_train_op, (x, index, weights, *w, *args),
+    result = torch.library.opcheck(experts_ops.experts_train_op, (x, index, weights, *w, *args),
                                    test_utils=utils + (() if store else ("test_aot_dispatch_dynamic",)))
     assert set(result.values()) == {"SUCCESS"}, result
     if store:
         pre = torch.randn(12, 32, device=DEVICE)
         detached = [t.detach() for t in (x, weights, *w)]
-        result = torch.library.opcheck(ops.experts_backward_op, (torch.randn(6, 24, device=DEVICE), detached[0], index,
-                                                                 *detached[1:], pre, *args[:-1], [True] * 6))
+        dout = torch.randn(6, 24, device=DEVICE)
+        result = torch.library.opcheck(experts_ops.experts_backward_op,
+                                       (dout, detached[0], index, *detached[1:], pre, *args[:-1], [True] * 6))
         assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -307,7 +308,7 @@ def test_torch_compile_sees_one_op_and_its_backward(store):
     x, index, weights, w, args = _op_case(store)
 
     def loss(x, weights, *w):
-        return ops.experts_train_op(x, index, weights, *w, *args)[0].square().sum()
+        return experts_ops.experts_train_op(x, index, weights, *w, *args)[0].square().sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     leaves = (x, weights, *w)
@@ -333,7 +334,7 @@ def test_thirty_steps_on_the_pytorch_path_as_eager():
 
 @pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
 def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
-    """`ops.ExpertsTrain` (what eager calls run) gives the registered op's output and gradients bit
+    """`experts_ops.ExpertsTrain` (what eager calls run) gives the registered op's output and gradients bit
     for bit, and never enters torch.library's dispatch; under torch.compile the graph holds the op."""
     x, index, weights, w, args = _op_case(store)
     leaves = (x, weights, *w)
@@ -343,10 +344,10 @@ def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
         out = fn(x, index, weights, *w, *args)[0]
         return out.detach(), torch.autograd.grad(out, leaves, dout)
 
-    want = run(ops.experts_train_op)
+    want = run(experts_ops.experts_train_op)
     with monkeypatch.context() as patch:
         patch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
-        got = run(ops.ExpertsTrain.apply)
+        got = run(experts_ops.ExpertsTrain.apply)
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     targets = []
 
@@ -354,7 +355,7 @@ def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
         targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return gm.forward
 
-    torch.compile(lambda *t: ops.experts_train_autograd(t[0], index, t[1], *t[2:], *args)[0].sum(),
+    torch.compile(lambda *t: experts_ops.experts_train_autograd(t[0], index, t[1], *t[2:], *args)[0].sum(),
                   backend=recording_backend, fullgraph=True)(*leaves)
     assert "swiglu_patch.experts_train.default" in targets, targets
 
@@ -363,7 +364,7 @@ def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
 def test_store_mode_backpropagates_a_graph_once(train):
     """The backward writes dP over the saved P: a second backward through a store-mode graph raises
     autograd's in-place error on either path instead of reading dP as P; recompute's runs."""
-    fn = ops.experts_train_op if train == "registered op" else ops.ExpertsTrain.apply
+    fn = experts_ops.experts_train_op if train == "registered op" else experts_ops.ExpertsTrain.apply
     for store in (True, False):
         x, index, weights, w, args = _op_case(store)
         out = fn(x, index, weights, *w, *args)[0]
