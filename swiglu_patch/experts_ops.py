@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .kernels.experts_reference import ExpertsEpilogue, ExpertsLayout
-from .ops import declared_mutation, dispatcher, epilogue_of
+from .ops import declared_mutation, dispatcher, eager_autograd, epilogue_of
 
 
 def experts_kernels():
@@ -148,22 +148,10 @@ def _experts_backward(ctx, dout, _dpreact):
 experts_train_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
 
 
-_experts_grads_eager = declared_mutation(_experts_grads, 8)
-
-
-class ExpertsTrain(torch.autograd.Function):
-    """`experts_train_op` for eager calls, as `GatedMlp` is `gated_mlp_op`'s: the same forward,
-    saved tensors and backward (calling `_experts_grads` directly), without torch.library's
-    dispatch (its `fill_defaults` walks the op's 16 schema arguments once per argument)."""
-
-    forward = staticmethod(_experts_train)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _experts_setup_context(ctx, inputs, output)
-        ctx.grads = _experts_grads_eager
-
-    backward = staticmethod(_experts_backward)
+ExpertsTrain = eager_autograd(
+    "ExpertsTrain", "`experts_train_op` for eager calls (`ops.eager_autograd`): `_experts_train`, "
+    "`_experts_setup_context` and `_experts_backward`, whose gradients run as `_experts_grads` with P's version bumped.",
+    _experts_train, _experts_setup_context, _experts_backward, grads=declared_mutation(_experts_grads, 8))
 
 
 def experts_train_autograd(*args) -> tuple[torch.Tensor, torch.Tensor]:
