@@ -268,7 +268,7 @@ def fused_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_
     if low_rank is not None:
         needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
             hidden_states, top_k_weights, gate_up, down, gate_up_bias, down_bias, *low_rank[:2], *low_rank[3:5]))
-        return experts_lora_ops.experts_lora_train_op(
+        return experts_lora_ops.experts_lora_train_autograd(
             hidden_states, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, *low_rank[:2],
             *low_rank[3:5], low_rank.gate_up_scale, low_rank.down_scale, *args, store and needs_grad)[0]
     needs_grad = torch.is_grad_enabled() and any(

@@ -6,6 +6,10 @@
 - ``swiglu_patch::experts_lora_backward`` (`experts_lora_backward_op`): its gradients, to x, the
   routing weights, the 3-D weights and biases where they train, and the adapters' A and B.
 
+Eager training calls go through `ExpertsLoraTrain` (`ops.eager_autograd`: the ops' own functions
+without torch.library's per-call dispatch; `experts_lora_train_autograd` picks it, torch.compile
+traces the registered op).
+
 Shapes: x [T, K]; top_k_index, top_k_weights [T, top_k]; the experts' 3-D weights in their
 layout (`kernels/experts_reference.py`); gate_up_a [E, r, K], gate_up_b [E, 2I, r], down_a
 [E, r', I], down_b [E, K_out, r'] (any strides; None for a projection without an adapter);
@@ -18,7 +22,7 @@ import torch
 
 from .kernels.experts_reference import ExpertsLowRank
 from .experts_ops import _experts_args
-from .ops import dispatcher
+from .ops import declared_mutation, dispatcher, eager_autograd
 
 
 def low_rank_kernels():
@@ -33,15 +37,14 @@ def _empty_if_none(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0) if t is None else t
 
 
-@torch.library.custom_op("swiglu_patch::experts_lora_train", mutates_args=())
-def experts_lora_train_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                          gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
-                          down_bias: torch.Tensor | None, gate_up_a: torch.Tensor | None,
-                          gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None, down_b: torch.Tensor | None,
-                          gate_up_scale: float, down_scale: float, activation: str, gate_scale: float,
-                          out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool,
-                          concatenated: bool, store_preact: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _experts_lora_train(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None,
+                        down_bias: torch.Tensor | None, gate_up_a: torch.Tensor | None,
+                        gate_up_b: torch.Tensor | None, down_a: torch.Tensor | None, down_b: torch.Tensor | None,
+                        gate_up_scale: float, down_scale: float, activation: str, gate_scale: float,
+                        out_scale: float, clamp: int, limit: float, alpha: float, transposed: bool,
+                        concatenated: bool, store_preact: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [T, K_out], P [S, 2I], x_lr [S, r], h_lr [S, r']): the experts block with the adapters
     added inside the grouped GEMMs; P with store_preact, x_lr and h_lr where the projection has an
     adapter, else 0-element tensors."""
@@ -51,6 +54,10 @@ def experts_lora_train_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weig
         x, top_k_index, top_k_weights, gate_up, down, low_rank, epilogue, layout, gate_up_bias, down_bias,
         store_preact)
     return out, _empty_if_none(preact, x), _empty_if_none(x_lr, x), _empty_if_none(h_lr, x)
+
+
+experts_lora_train_op = torch.library.custom_op("swiglu_patch::experts_lora_train", _experts_lora_train,
+                                                mutates_args=())
 
 
 @experts_lora_train_op.register_fake
@@ -65,18 +72,17 @@ def _(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, gat
             x.new_empty((s, down_a.shape[1])) if down_a is not None else x.new_empty(0))
 
 
-@torch.library.custom_op("swiglu_patch::experts_lora_backward", mutates_args=("preact",))
-def experts_lora_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
-                             top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                             gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-                             gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None,
-                             down_a: torch.Tensor | None, down_b: torch.Tensor | None, x_lr: torch.Tensor | None,
-                             h_lr: torch.Tensor | None, preact: torch.Tensor | None, gate_up_scale: float,
-                             down_scale: float, activation: str, gate_scale: float, out_scale: float, clamp: int,
-                             limit: float, alpha: float, transposed: bool, concatenated: bool,
-                             needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                         torch.Tensor, torch.Tensor]:
+def _experts_lora_grads(dout: torch.Tensor, x: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                        gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                        gate_up_a: torch.Tensor | None, gate_up_b: torch.Tensor | None,
+                        down_a: torch.Tensor | None, down_b: torch.Tensor | None, x_lr: torch.Tensor | None,
+                        h_lr: torch.Tensor | None, preact: torch.Tensor | None, gate_up_scale: float,
+                        down_scale: float, activation: str, gate_scale: float, out_scale: float, clamp: int,
+                        limit: float, alpha: float, transposed: bool, concatenated: bool,
+                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor]:
     """(dx, dgate_up, ddown, dgate_up_bias, ddown_bias, dtop_k_weights, dgate_up_a, dgate_up_b,
     ddown_a, ddown_b) for dOut [T, K_out] (`experts_low_rank.experts_low_rank_backward`), a 0-element
     tensor for each one `needs` leaves out; a stored P is overwritten with dP, None recomputes it."""
@@ -86,6 +92,10 @@ def experts_lora_backward_op(dout: torch.Tensor, x: torch.Tensor, top_k_index: t
                                                          x_lr, h_lr, epilogue, layout, gate_up_bias, down_bias, preact,
                                                          tuple(needs))
     return tuple(x.new_empty(0) if g is None else g for g in grads)
+
+
+experts_lora_backward_op = torch.library.custom_op("swiglu_patch::experts_lora_backward", _experts_lora_grads,
+                                                   mutates_args=("preact",))
 
 
 @experts_lora_backward_op.register_fake
@@ -110,6 +120,7 @@ def _setup_context(ctx, inputs, output):
                           down_a, down_b, x_lr if gate_up_a is not None else None,
                           h_lr if down_a is not None else None, preact if store_preact else None)
     ctx.scales, ctx.experts_args = (gate_up_scale, down_scale), tuple(args)
+    ctx.grads = experts_lora_backward_op
 
 
 def _backward(ctx, dout, _dpreact, _dx_lr, _dh_lr):
@@ -122,11 +133,23 @@ def _backward(ctx, dout, _dpreact, _dx_lr, _dh_lr):
     needs = [n[0], n[3], n[4], n[5] and gate_up_bias is not None, n[6] and down_bias is not None, n[2],
              n[7] and gate_up_a is not None, n[8] and gate_up_b is not None, n[9] and down_a is not None,
              n[10] and down_b is not None]
-    grads = experts_lora_backward_op(dout.contiguous(), x, top_k_index, top_k_weights, gate_up, down, gate_up_bias,
-                                     down_bias, gate_up_a, gate_up_b, down_a, down_b, x_lr, h_lr, preact, *ctx.scales,
-                                     *ctx.experts_args, needs)
+    grads = ctx.grads(dout.contiguous(), x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,
+                      gate_up_a, gate_up_b, down_a, down_b, x_lr, h_lr, preact, *ctx.scales, *ctx.experts_args, needs)
     dx, dgu, dd, dgub, ddb, dw, dagu, dbgu, dad, dbd = (g if k else None for g, k in zip(grads, needs))
     return (dx, None, dw, dgu, dd, dgub, ddb, dagu, dbgu, dad, dbd) + none
 
 
 experts_lora_train_op.register_autograd(_backward, setup_context=_setup_context)
+
+ExpertsLoraTrain = eager_autograd(
+    "ExpertsLoraTrain", "`experts_lora_train_op` for eager calls (`ops.eager_autograd`): `_experts_lora_train`, "
+    "`_setup_context` and `_backward`, whose gradients run as `_experts_lora_grads` with P's version bumped.",
+    _experts_lora_train, _setup_context, _backward, grads=declared_mutation(_experts_lora_grads, 14))
+
+
+def experts_lora_train_autograd(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`experts_lora_train_op`'s arguments and outputs, differentiable: the registered op while
+    torch.compile traces, `ExpertsLoraTrain` otherwise."""
+    if torch.compiler.is_compiling():
+        return experts_lora_train_op(*args)
+    return ExpertsLoraTrain.apply(*args)

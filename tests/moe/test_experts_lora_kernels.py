@@ -196,3 +196,45 @@ def _train_op(leaves, index, lr, args):
     x, weights, gu, d, gub, db, a_gu, b_gu, a_d, b_d = leaves
     return experts_lora_ops.experts_lora_train_op(x, index, weights, gu, d, gub, db, a_gu, b_gu, a_d, b_d,
                                                   lr.gate_up_scale, lr.down_scale, *args)[0]
+
+
+def _lora_op_case(store):
+    layout, epilogue = LAYOUTS[1], GPT_OSS
+    w, lr = _operands(4, 24, 16, 4, layout, True, torch.float32)
+    index, weights = _routing(6, 4, 2)
+    leaves = [t.clone().requires_grad_() for t in (torch.randn(6, 24, device=DEVICE), weights, *w, *_tensors(lr))]
+    args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha, layout.transposed, layout.concatenated, store)
+    x, weights, gu, d, gub, db, a_gu, b_gu, a_d, b_d = leaves
+    return leaves, (x, index, weights, gu, d, gub, db, a_gu, b_gu, a_d, b_d, lr.gate_up_scale, lr.down_scale, *args)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
+    """`ExpertsLoraTrain` (what eager calls run) gives the registered op's output and gradients bit
+    for bit and never enters torch.library's dispatch; a second backward through a store-mode graph
+    raises on both paths (the backward writes dP over the saved P); the compiled graph holds the op."""
+    leaves, call = _lora_op_case(store)
+    dout = torch.randn(6, 24, device=DEVICE)
+
+    def run(fn):
+        out = fn(*call)[0]
+        grads = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        if store:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out, leaves, dout)
+        return out.detach(), grads
+
+    want = run(experts_lora_ops.experts_lora_train_op)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
+        got = run(experts_lora_ops.ExpertsLoraTrain.apply)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(lambda *t: experts_lora_ops.experts_lora_train_autograd(*t)[0].sum(), backend=recording_backend,
+                  fullgraph=True)(*call)
+    assert "swiglu_patch.experts_lora_train.default" in targets, targets
