@@ -38,6 +38,19 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
+def compiled_targets(fn, *args) -> list[str]:
+    """The call_function targets ("swiglu_patch.gated_mlp.default", ...) of the graph torch.compile
+    captures (fullgraph) when it compiles fn(*args); the graph runs as captured."""
+    targets = []
+
+    def recording_backend(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(fn, backend=recording_backend, fullgraph=True)(*args)
+    return targets
+
+
 def tiny_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **(_COMMON | TINY_CONFIGS[model_type] | overrides))
 

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import compiled_targets, rel_err
 from swiglu_patch import apply_fused_mlp, experts_ops, ops
 from swiglu_patch.experts import set_experts_mode
 from swiglu_patch.kernels import dispatch
@@ -349,14 +349,8 @@ def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
         patch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
         got = run(experts_ops.ExpertsTrain.apply)
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
-    targets = []
-
-    def recording_backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch.compile(lambda *t: experts_ops.experts_train_autograd(t[0], index, t[1], *t[2:], *args)[0].sum(),
-                  backend=recording_backend, fullgraph=True)(*leaves)
+    targets = compiled_targets(lambda *t: experts_ops.experts_train_autograd(t[0], index, t[1], *t[2:], *args)[0].sum(),
+                               *leaves)
     assert "swiglu_patch.experts_train.default" in targets, targets
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import rel_err
+from helpers import compiled_targets, rel_err
 from swiglu_patch import experts_lora_ops, ops
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward import GRADIENTS
@@ -229,12 +229,5 @@ def test_the_eager_function_equals_the_registered_op(store, monkeypatch):
         patch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
         got = run(experts_lora_ops.ExpertsLoraTrain.apply)
     assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
-    targets = []
-
-    def recording_backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch.compile(lambda *t: experts_lora_ops.experts_lora_train_autograd(*t)[0].sum(), backend=recording_backend,
-                  fullgraph=True)(*call)
+    targets = compiled_targets(lambda *t: experts_lora_ops.experts_lora_train_autograd(*t)[0].sum(), *call)
     assert "swiglu_patch.experts_lora_train.default" in targets, targets

@@ -7,7 +7,7 @@ store the interleaved pre-activation P [M, 2*I] and nothing else; recompute noth
 
 import pytest
 import torch
-from helpers import DEVICE, KERNEL_DTYPES, make_case, packed_of
+from helpers import DEVICE, KERNEL_DTYPES, compiled_targets, make_case, packed_of
 from torch.utils.checkpoint import checkpoint
 
 from swiglu_patch import training
@@ -211,16 +211,11 @@ def test_the_eager_function_equals_the_registered_op(backend, store, low_rank, m
 def test_torch_compile_traces_the_registered_op():
     """Under torch.compile `gated_mlp` is one opaque op, ``swiglu_patch::gated_mlp``, in the graph."""
     x, w, b, wd, bd = _leaves(dtype=torch.float32)
-    targets = []
-
-    def recording_backend(gm, example_inputs):
-        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
 
     def loss(x, w, b, wd, bd):
         return gated_mlp(x, PackedGateUp(w, b), wd, bd, "silu", "store", BACKEND).square().sum()
 
-    torch.compile(loss, backend=recording_backend, fullgraph=True)(x, w, b, wd, bd)
+    targets = compiled_targets(loss, x, w, b, wd, bd)
     assert "swiglu_patch.gated_mlp.default" in targets, targets
 
 
