@@ -166,7 +166,8 @@ def quack_parts(act: str, x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor, dy
     """{name: (fn, flops as a multiple of M*K*I)} of quack's two fused GEMMs alone, untuned, on
     x [M, K], w [2I, K], wd [K, I], dy [M, K] (buffers made here): the forward's gated GEMM
     storing P and the backward's dY @ Wd with the gated derivative writing dP and h. {} where
-    quack-kernels is not installed. Timing only: P holds the forward's values, laid out as quack's."""
+    quack-kernels is not installed. Timing only: P holds the forward's values (one forward runs
+    here), laid out as quack's."""
     try:
         from quack.gemm_interface import gemm_dgated_out, gemm_gated_out
     except Exception:  # noqa: BLE001 - not installed, or its CUDA libraries failing to load
@@ -175,6 +176,7 @@ def quack_parts(act: str, x: torch.Tensor, w: torch.Tensor, wd: torch.Tensor, dy
     m, i = x.shape[0], wd.shape[1]
     preact, dpreact = x.new_empty(m, 2 * i), x.new_empty(m, 2 * i)
     h = x.new_empty(m, i)
+    gemm_gated_out(x, w.T, preact, h, activation=activation, tuned=False)  # the backward reads a real P
     return {
         "fwd: quack gemm_gated + P store (untuned)": (
             lambda: gemm_gated_out(x, w.T, preact, h, activation=activation, tuned=False), 4),
