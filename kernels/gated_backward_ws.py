@@ -112,9 +112,9 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
               HAS_DH_IN: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
               GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr,
               GATE_UP_BLOCK: gl.constexpr, BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr,
-              GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_N: gl.constexpr,
-              EPILOGUE_WARPS: gl.constexpr):
-    """Per tile, per EPILOGUE_N-column slice of the handoff: h and dP from dH and P."""
+              GROUP_SIZE_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr,
+              EPILOGUE_N: gl.constexpr, EPILOGUE_WARPS: gl.constexpr):
+    """Per tile, per [EPILOGUE_M, EPILOGUE_N] slice of the handoff: h and dP from dH and P."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPILOGUE_N, EPILOGUE_N // 8], [EPILOGUE_WARPS, 1],
                                             [1, 0])
     num_pid_m = gl.cdiv(M, BLOCK_SIZE_M)
@@ -122,32 +122,35 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
     tiles_done = 0
     for tile_id in range(gl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS):
         pid_m, pid_n = tile_pid(tile_id, GROUP_SIZE_M * num_pid_n, num_pid_m, GROUP_SIZE_M)
-        rows = (pid_m * BLOCK_SIZE_M + gl.arange(0, BLOCK_SIZE_M, layout=gl.SliceLayout(1, layout))).to(gl.int64)
         mbarrier.wait(handoff_ready, tiles_done & 1)
-        for j in gl.static_range(BLOCK_SIZE_N // EPILOGUE_N):
-            start = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N
-            slice_cols = gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
-            cols = start + slice_cols
-            # the slice lies in one gate/up block of P: its gate columns are contiguous from
-            # start + (start // 16) * 16, its up columns 16 later
-            gate_cols = start + (start // GATE_UP_BLOCK) * GATE_UP_BLOCK + slice_cols
-            mask = (rows[:, None] < M) & (cols[None, :] < I)
-            dh = handoff.slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(layout).to(gl.float32)
-            if HAS_DH_IN:
-                dh_in = gl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask, other=0.0)
-                dh += dh_in.to(gl.float32)
-            p_rows = p_ptr + rows[:, None] * stride_pm
-            gate = gl.load(p_rows + gate_cols[None, :] * stride_pn, mask=mask, other=0.0).to(gl.float32)
-            up = gl.load(p_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_pn, mask=mask,
-                         other=0.0).to(gl.float32)
-            h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE,
-                                                CLAMP, LIMIT)
-            dp_rows = dp_ptr + rows[:, None] * stride_dpm
-            gl.store(dp_rows + gate_cols[None, :] * stride_dpn, dgate.to(dp_ptr.dtype.element_ty), mask=mask)
-            gl.store(dp_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_dpn, dup.to(dp_ptr.dtype.element_ty),
-                     mask=mask)
-            gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
-                     mask=mask)
+        for r in gl.static_range(BLOCK_SIZE_M // EPILOGUE_M):
+            rows = (pid_m * BLOCK_SIZE_M + r * EPILOGUE_M
+                    + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+            for j in gl.static_range(BLOCK_SIZE_N // EPILOGUE_N):
+                start = pid_n * BLOCK_SIZE_N + j * EPILOGUE_N
+                slice_cols = gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+                cols = start + slice_cols
+                # the slice lies in one gate/up block of P: its gate columns are contiguous from
+                # start + (start // 16) * 16, its up columns 16 later
+                gate_cols = start + (start // GATE_UP_BLOCK) * GATE_UP_BLOCK + slice_cols
+                mask = (rows[:, None] < M) & (cols[None, :] < I)
+                dh = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(
+                    layout).to(gl.float32)
+                if HAS_DH_IN:
+                    dh_in = gl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhi, mask=mask, other=0.0)
+                    dh += dh_in.to(gl.float32)
+                p_rows = p_ptr + rows[:, None] * stride_pm
+                gate = gl.load(p_rows + gate_cols[None, :] * stride_pn, mask=mask, other=0.0).to(gl.float32)
+                up = gl.load(p_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_pn, mask=mask,
+                             other=0.0).to(gl.float32)
+                h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE,
+                                                    CLAMP, LIMIT)
+                dp_rows = dp_ptr + rows[:, None] * stride_dpm
+                gl.store(dp_rows + gate_cols[None, :] * stride_dpn, dgate.to(dp_ptr.dtype.element_ty), mask=mask)
+                gl.store(dp_rows + (gate_cols + GATE_UP_BLOCK)[None, :] * stride_dpn, dup.to(dp_ptr.dtype.element_ty),
+                         mask=mask)
+                gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
+                         mask=mask)
         _partition_barrier()
         mbarrier.arrive(handoff_free, count=1)
         tiles_done += 1
@@ -166,6 +169,7 @@ def _gated_backward_ws_kernel(
     GROUP_SIZE_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr,
+    EPILOGUE_M: gl.constexpr,
     EPILOGUE_N: gl.constexpr,
     EPILOGUE_WARPS: gl.constexpr,
     EPILOGUE_REGISTERS: gl.constexpr,
@@ -195,7 +199,7 @@ def _gated_backward_ws_kernel(
         (_epilogue, (handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr, M, I,
                      stride_pm, stride_pn, stride_dpm, stride_dpn, stride_hm, stride_hi, stride_dhm, stride_dhi,
                      HAS_DH_IN, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, GATE_UP_BLOCK,
-                     BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M, NUM_PROGRAMS, EPILOGUE_N, EPILOGUE_WARPS)),
+                     BLOCK_SIZE_M, BLOCK_SIZE_N, GROUP_SIZE_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_N, EPILOGUE_WARPS)),
     ], [1, EPILOGUE_WARPS], [24, EPILOGUE_REGISTERS])
 
 CAPABILITY = KernelCapability("backward_ws", ops=("backward",), features=frozenset({"dh_in"}), dtypes=TMA_DTYPES,
@@ -223,6 +227,8 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     8); the epilogue group takes config.epilogue_warps warps at config.epilogue_registers
     registers each, in block_n / config.epilogue_subtiles column slices."""
     epilogue_n = config.block_n // config.epilogue_subtiles
+    # rows per slice: two repetitions of the epilogue's layout (16 elements of each operand a thread)
+    epilogue_m = min(config.block_m, 2 * (32 * 8 // epilogue_n) * config.epilogue_warps)
     if config.block_n % config.epilogue_subtiles or epilogue_n not in (8, 16):
         raise ValueError(f"gated_backward_ws: block_n / epilogue_subtiles must be 8 or 16 columns (within one "
                          f"gate/up block), got {config.block_n} / {config.epilogue_subtiles}")
@@ -232,7 +238,7 @@ def make_launcher(config: GatedGemmConfig, epilogue: dict, dtype: torch.dtype, h
     ring_bytes = config.num_stages * (config.block_m + config.block_n) * config.block_k * 2
     fixed = dict(
         HAS_DH_IN=has_dh_in, **epilogue, GATE_UP_BLOCK=GATE_UP_BLOCK, **config.meta(),
-        NUM_STAGES=config.num_stages, EPILOGUE_N=epilogue_n,
+        NUM_STAGES=config.num_stages, EPILOGUE_M=epilogue_m, EPILOGUE_N=epilogue_n,
         EPILOGUE_WARPS=config.epilogue_warps, EPILOGUE_REGISTERS=config.epilogue_registers,
         HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES,
         num_warps=config.num_warps,

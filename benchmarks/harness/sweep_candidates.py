@@ -98,6 +98,19 @@ BACKWARD_VARIANTS = [
     ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=6, epilogue_subtiles=8)),
     ("backward_ws", C(128, 128, 64, group_m=16, num_warps=4, num_stages=5, epilogue_subtiles=8)),
 ]
+# The warp-specialized kernel's tiles (`--sweep backward_ws`): the rules' 128x128 tile (5 stages, fp32
+# handoff, groups 8 and 4) against 256x128 tiles with 8 MMA warps (two warpgroups share each Wd box:
+# a quarter fewer bytes from L2 per flop), whose handoff is 16-bit (an fp32 one does not fit beside
+# the ring): 3 stages of 64-deep K steps or 6 of 32, groups 8 and 4.
+_W = dict(num_warps=8, epilogue_subtiles=8, epilogue_registers=152)
+BACKWARD_WS_TILES = [
+    ("backward_ws", C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)),
+    ("backward_ws", C(128, 128, 64, group_m=4, num_warps=4, num_stages=5, epilogue_subtiles=8)),
+    ("backward_ws", C(256, 128, 64, num_stages=3, **_W)),
+    ("backward_ws", C(256, 128, 64, group_m=4, num_stages=3, **_W)),
+    ("backward_ws", C(256, 128, 32, num_stages=6, **_W)),
+    ("backward_ws", C(256, 128, 64, group_m=16, num_stages=3, **_W)),
+]
 PREACT_TILES = [
     ("tma", C(128, 128, 64, **_T, split_tail=True)), ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, split_tail=True)),
     ("tma", C(128, 128, 64, **_T | {"num_stages": 3}, warp_specialize=True, split_tail=True)),
@@ -173,6 +186,11 @@ def sweep_backward_variants(m, k, i, shipped):
     return list(BACKWARD_VARIANTS)
 
 
+def sweep_backward_ws(m, k, i, shipped):
+    """Training's backward GEMM (op `backward`): the warp-specialized kernel's 128x128 and 256x128 tiles."""
+    return list(BACKWARD_WS_TILES)
+
+
 def sweep_preact(m, k, i, shipped):
     """Training's forward storing P (op `preact`): TMA tiles with and without the split tail, two pointer tiles."""
     return list(PREACT_TILES)
@@ -180,8 +198,8 @@ def sweep_preact(m, k, i, shipped):
 
 SWEEPS = {"buckets": sweep_buckets, "decode": sweep_decode, "gemv": sweep_gemv, "grid": sweep_grid,
           "tail": sweep_tail, "midocc": sweep_midocc, "paired": sweep_paired, "backward": sweep_backward,
-          "backward_variants": sweep_backward_variants, "preact": sweep_preact}
-OP = {"backward": "backward", "backward_variants": "backward", "preact": "preact"}  # the op each sweep times; "forward" otherwise
+          "backward_variants": sweep_backward_variants, "backward_ws": sweep_backward_ws, "preact": sweep_preact}
+OP = {"backward": "backward", "backward_variants": "backward", "backward_ws": "backward", "preact": "preact"}  # the op each sweep times; "forward" otherwise
 SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default)",
               "decode": "pointer tiles at M <= 16, and TMA small-M tiles", "gemv": "GEMV tiles at M = 1",
               "grid": "one-program-per-tile TMA tiles, 1 and 2 weight boxes", "tail": "TMA split tail off and on",
@@ -189,6 +207,7 @@ SWEEP_HELP = {"buckets": "pointer and persistent TMA tiles per M bucket (default
               "paired": "persistent TMA tiles with 1-4 programs per SM",
               "backward": "training's backward GEMM tiles (default M 4096 8192)",
               "backward_variants": "training's backward GEMM: fused TMA, warp-specialized and split kernels (default M 4096 8192)",
+              "backward_ws": "training's backward GEMM: the warp-specialized kernel's tiles (default M 4096 8192)",
               "preact": "training's forward tiles, P stored (default M 4096 8192)"}
 TMA_KERNELS = ("tma", "grid", "backward_tma", "backward_ws")  # these need a Hopper GPU
 

@@ -20,6 +20,7 @@ MODULES = {"pointer": gated_gemm_pointer, "tma": gated_gemm_tma, "grid": gated_g
 
 SWEEP_TOKENS = {"buckets": [1, 32, 64, 128, 512, 8192], "decode": [1, 16], "gemv": [1], "grid": [2, 32, 64, 128],
                 "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512], "backward": [4096], "backward_variants": [4096],
+                "backward_ws": [4096],
                 "preact": [4096]}
 
 
@@ -43,7 +44,7 @@ def test_every_candidate_is_a_config_its_kernel_takes(sweep):
             labels = [sweep_candidates.label(k, c) for k, c in cands]
             assert len(labels) == len(set(labels)), (sweep, m, labels)
             for kernel, config in cands:
-                if sweep in ("backward", "backward_variants"):
+                if sweep_candidates.OP.get(sweep) == "backward":
                     assert kernel in BACKWARD_KERNELS
                     dispatch.MODULES[kernel].make_launcher(config, epilogue, torch.bfloat16)  # raises if refused
                     continue
