@@ -1,6 +1,6 @@
 """The warp-specialized backward kernel (`gated_backward_ws.py`, Gluon, Hopper) where no GPU is: it
-compiles for sm_90a with the rules' config inside Hopper's shared memory and without register
-spills, and a call it cannot take is refused by name. Its numerics run on the GPU, in
+compiles for sm_90a with each of the rules' configs inside Hopper's shared memory and without
+register spills, and a call it cannot take is refused by name. Its numerics run on the GPU, in
 `test_gated_backward_variants.py` (every shape, epilogue, dtype and dh_in against float64)."""
 
 from __future__ import annotations
@@ -26,16 +26,24 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 RULE = next(r for r in BACKWARD_RULES if r.kernel == "backward_ws")
 
 
+WS_RULES = [r for r in BACKWARD_RULES if r.kernel == "backward_ws"]
+# the configs the rules run, up to group_m (the order of the tiles, an integer constexpr: the same registers and
+# shared memory)
+WS_CONFIGS = list(dict.fromkeys(dataclasses.replace(r.config, group_m=8) for r in WS_RULES))
+
+
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
+@pytest.mark.parametrize("config", WS_CONFIGS, ids=lambda c: c.short())
 @pytest.mark.parametrize("dtype,activation,has_dh_in", [(torch.bfloat16, "silu", False),
                                                           (torch.float16, "gelu_tanh", True)])
-def test_rule_config_compiles_for_hopper_without_spills(dtype, activation, has_dh_in, tmp_path):
+def test_rule_configs_compile_for_hopper_without_spills(config, dtype, activation, has_dh_in, tmp_path):
     # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
     env = dict(os.environ, TRITON_INTERPRET="0")
     args = [sys.executable, str(Path(__file__).with_name("ws_compile.py")), str(dtype).replace("torch.", ""),
-            activation, str(int(has_dh_in)), str(tmp_path / "kernel.cubin")]
+            activation, str(int(has_dh_in)), str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
     result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
-    assert result["HANDOFF_FP32"], "the rule's 5-stage ring leaves room for the fp32 handoff"
+    # 128x128 tiles: 5 stages leave room for the fp32 handoff; 256x128 tiles: 3 stages and a 16-bit one
+    assert result["HANDOFF_FP32"] == (config.block_m * config.block_n <= 128 * 128), result
     assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
                            check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
@@ -48,13 +56,12 @@ def test_the_rule_is_hopper_only_and_the_default_config():
     assert RULE.m[0] > 256, "the split kernel measured faster at M = 129-256"
 
 
-def test_every_warp_specialized_rule_is_the_compiled_config_up_to_its_tile_order():
-    """The compile test above builds RULE's config; another rule may change only group_m (the order
-    of the tiles, an integer constexpr: the same registers and shared memory)."""
-    ws_rules = [r for r in BACKWARD_RULES if r.kernel == "backward_ws"]
-    assert len(ws_rules) >= 2 and {r.config.group_m for r in ws_rules} == {8, 4}
-    for rule in ws_rules:
-        assert dataclasses.replace(rule.config, group_m=RULE.config.group_m) == RULE.config, rule
+def test_the_warp_specialized_rules_cover_every_m_from_their_first_on_hopper():
+    """128x128 tiles from M = 513, 256x128 tiles above: one range after the other, the last open."""
+    assert len(WS_RULES) >= 2 and WS_RULES[-1].m[1] is None
+    for before, after in zip(WS_RULES, WS_RULES[1:]):
+        assert after.m[0] == before.m[1] + 1 and after.gpus == before.gpus, (before, after)
+    assert [(r.config.block_m, r.config.block_n) for r in WS_RULES] == [(128, 128), (256, 128)]
 
 
 def test_a_cpu_call_is_refused_by_name():

@@ -2,7 +2,9 @@
 `test_gated_backward_ws.py` in a process without TRITON_INTERPRET: Gluon compiles jit functions,
 not the interpreter's).
 
-    python ws_compile.py DTYPE ACTIVATION HAS_DH_IN CUBIN_OUT
+    python ws_compile.py DTYPE ACTIVATION HAS_DH_IN CUBIN_OUT [CONFIG_JSON]
+
+CONFIG_JSON: a `GatedGemmConfig`'s fields as JSON (default: the kernel's default config).
 
 prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
 """
@@ -53,9 +55,9 @@ def compile_for_hopper(config: C, dtype: torch.dtype, activation: str, has_dh_in
 
 
 if __name__ == "__main__":
-    dtype_name, activation, has_dh_in, cubin_out = sys.argv[1:]
-    compiled, fixed = compile_for_hopper(DEFAULT_CONFIGS["backward_ws"], getattr(torch, dtype_name), activation,
-                                         bool(int(has_dh_in)))
+    dtype_name, activation, has_dh_in, cubin_out = sys.argv[1:5]
+    config = C(**json.loads(sys.argv[5])) if len(sys.argv) > 5 else DEFAULT_CONFIGS["backward_ws"]
+    compiled, fixed = compile_for_hopper(config, getattr(torch, dtype_name), activation, bool(int(has_dh_in)))
     with open(cubin_out, "wb") as f:
         f.write(compiled.asm["cubin"])
     print(json.dumps({"shared": compiled.metadata.shared, "HANDOFF_FP32": fixed["HANDOFF_FP32"]}))
