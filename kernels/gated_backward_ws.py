@@ -12,16 +12,22 @@ three groups of warps that hand work on through shared memory and mbarriers:
   accumulator [BLOCK_SIZE_M, BLOCK_SIZE_N] of dH, written when the tile is done into one
   shared buffer of the same shape (the handoff: fp32 where it fits beside the ring, else in
   dY's dtype, `SHARED_MEMORY_BYTES`);
-- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [BLOCK_SIZE_M, EPILOGUE_N]
-  column slices (EPILOGUE_N 8 or 16: a slice lies in one 16-column gate/up block of P, so its
-  gate columns are contiguous from c + 16 * (c // 16) for a slice starting at output column c,
-  and its up columns 16 later: 16-byte loads and stores), adds dh_in there (HAS_DH_IN), and
-  writes h and dP (over P when dP is P: each element is read before it is written, by the same
-  thread).
+- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
+  slices (EPILOGUE_N 8 or 16: a slice lies in one 16-column gate/up block of P, so its gate
+  columns are contiguous from c + 16 * (c // 16) for a slice starting at output column c, and
+  its up columns 16 later: 16-byte loads and stores; EPILOGUE_M rows: two repetitions of the
+  epilogue's layout, 16 elements of each operand a thread, so a 256-row tile needs no more
+  registers than a 128-row one), adds dh_in there (HAS_DH_IN), and writes h and dP (over P
+  when dP is P: each element is read before it is written, by the same thread).
+
+Tiles: 128x128 with 4 MMA warps (one warpgroup, fp32 handoff beside 5 stages), or 256x128 with
+8 (two warpgroups share each Wd box: a quarter fewer bytes from L2 per flop; the kernel launches
+16 warps at 128 registers, and the handoff is 16-bit beside 3 stages).
 
 The MMA group starts the next tile while the epilogue group works through the handoff; it
-waits only if the epilogue is a whole tile behind. With the fp32 handoff (the rules' config) dH
-stays in fp32 to the derivative, as in the other fused kernels.
+waits only if the epilogue is a whole tile behind. With the fp32 handoff dH stays in fp32 to the
+derivative, as in the other fused kernels; with the 16-bit one it is rounded once to dY's dtype,
+as HF eager's backward rounds it.
 
 TMA needs dY and Wd 16-bit, unit inner strides, 16-byte-aligned rows and base pointers, and
 I % 16 == 0; out-of-bounds TMA reads are zeros, so any M and K work. The kernel reads P, dP, h
