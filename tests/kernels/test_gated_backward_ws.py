@@ -57,11 +57,12 @@ def test_the_rule_is_hopper_only_and_the_default_config():
 
 
 def test_the_warp_specialized_rules_cover_every_m_from_their_first_on_hopper():
-    """128x128 tiles from M = 513, 256x128 tiles above: one range after the other, the last open."""
+    """128x128 tiles from M = 513, 256x128 tiles from 2048, 128x128 again above 4096: one range after the
+    other, the last open."""
     assert len(WS_RULES) >= 2 and WS_RULES[-1].m[1] is None
     for before, after in zip(WS_RULES, WS_RULES[1:]):
         assert after.m[0] == before.m[1] + 1 and after.gpus == before.gpus, (before, after)
-    assert [(r.config.block_m, r.config.block_n) for r in WS_RULES] == [(128, 128), (256, 128)]
+    assert [(r.config.block_m, r.config.block_n) for r in WS_RULES] == [(128, 128), (256, 128), (128, 128)]
 
 
 def test_a_cpu_call_is_refused_by_name():
