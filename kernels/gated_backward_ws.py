@@ -35,7 +35,7 @@ and dh_in by pointer (any strides); `can_run` asks the TMA kernels' alignment of
 the planner's test is one for every operand. Gluon kernels run on the GPU only (no
 interpreter), and wgmma on Hopper only: the planner picks this kernel there
 (`rules.BACKWARD_RULES`). Written against Triton 3.6's Gluon; the two names that changed by
-3.9 are aliased below. H100 measurements: docs/training.md ("The warp-specialized kernel").
+3.9 are aliased below. H100 measurements: docs/backward_gemm.md.
 """
 
 from __future__ import annotations

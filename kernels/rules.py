@@ -260,7 +260,7 @@ DEFAULT_CONFIGS: dict[str, C] = {
     "grid": C(64, 64, 128, group_m=4, num_warps=4, num_stages=3, weight_boxes=1),
     "backward_pointer": BACKWARD_RULES[-1].config,
     # the fused TMA kernel's fastest of 12 tiles at Llama-3-8B M = 4096 in an earlier H100 sweep (0.867 ms;
-    # warp-specialized 0.881, group 16 0.906, 3 stages 1.078; docs/training.md): kernel="backward_tma" at M >= 129
+    # warp-specialized 0.881, group 16 0.906, 3 stages 1.078; docs/backward_gemm.md): kernel="backward_tma" at M >= 129
     "backward_tma": C(128, 128, 64, group_m=8, num_warps=8, num_stages=4),
     "backward_split": next(r.config for r in BACKWARD_RULES if r.kernel == "backward_split"),
     "backward_ws": WS_CONFIG,
