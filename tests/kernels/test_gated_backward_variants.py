@@ -14,6 +14,7 @@ from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.dispatch import MODULES, gated_backward
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.layout import split_interleaved
+from swiglu_patch.kernels.rules import WS_256_CONFIG
 
 HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9
 SMALL = {"backward_split": C(16, 32, 16, num_warps=4), **({"backward_ws": None} if HOPPER else {})}
@@ -94,21 +95,19 @@ def test_backward_variant_adds_dh_in(kernel):
     _check(dpreact, h, dy, wd, saved, "silu", dh_in=dh_in)
 
 
-# The warp-specialized kernel's 256x128 tile (8 MMA warps, 16-bit handoff, the epilogue in 64-row slices)
-WS_256 = C(256, 128, 64, num_warps=8, num_stages=3, epilogue_subtiles=8, epilogue_registers=152)
-
-
 @pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel runs on Hopper GPUs only (CPU: its compile test)")
 @pytest.mark.parametrize("m,k,i", [(1, 64, 48), (300, 1032, 400), (1000, 512, 2064)])
 @pytest.mark.parametrize("epilogue", EPILOGUES[::2], ids=lambda e: repr(e)[:60])
 def test_ws_kernel_256_row_tile_matches_float64(m, k, i, epilogue):
+    """The 256x128 tile (8 MMA warps, a 16-bit handoff, the epilogue in 64-row slices) forced at every M:
+    the rules run it for M 2048-4096 only."""
     for dtype, in_place, scale in ((torch.bfloat16, True, 1.0), (torch.float16, False, 30.0)):
         dy, wd, preact = _case(m, k, i, dtype, scale)
         dh_in = torch.randn(i, m, device=DEVICE).to(dtype).T if m > 1 else None  # non-contiguous
         saved = preact.clone()
         dpreact = preact if in_place else torch.full_like(preact, float("nan"))
         h = torch.full((m, i), float("nan"), dtype=dtype, device=DEVICE)
-        gated_backward(dy, wd, preact, epilogue, dpreact_out=dpreact, h_out=h, config=WS_256, kernel="backward_ws",
+        gated_backward(dy, wd, preact, epilogue, dpreact_out=dpreact, h_out=h, config=WS_256_CONFIG, kernel="backward_ws",
                        dh_in=dh_in)
         _check(dpreact, h, dy, wd, saved, epilogue, dh_in=dh_in)
 
