@@ -170,28 +170,29 @@ BACKWARD_WS_H100 = ("h100/train/ws/tune_backward_variants_bf16.json", "h100/trai
                     "h100/train/ws/tune_backward_variants_small_m_bf16.json")
 BACKWARD_WS_CAP_H100 = ("h100/train/ws_cap/tune_flushed_bf16.json", "h100/train/ws_cap/tune_sustained_bf16.json")
 BACKWARD_WS_256_H100 = ("h100/train/ws256/tune_flushed_bf16.json", "h100/train/ws256/tune_sustained_bf16.json",
-                        "h100/train/ws256/tune_small_m_sustained_bf16.json")
+                        "h100/train/ws256/tune_small_m_sustained_bf16.json",
+                        "h100/train/ws256/tune_m1536_sustained_bf16.json")
 WS_CONFIG = C(128, 128, 64, num_warps=4, num_stages=5, epilogue_subtiles=8)
 # 256x128 tiles: two MMA warpgroups share each Wd box; the 16-bit handoff leaves room for 3 stages
 WS_256_CONFIG = C(256, 128, 64, num_warps=8, num_stages=3, epilogue_subtiles=8, epilogue_registers=152)
 
 BACKWARD_RULES: tuple[Rule, ...] = (
-    Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, 1024), sweep=BACKWARD_WS_H100,
+    Rule("backward_ws", WS_CONFIG, HOPPERS, min_capability=HOPPER, m=(513, 2048), sweep=BACKWARD_WS_H100,
          why="Hopper's wgmma in Gluon, the epilogue of one 128x128 tile beside the next tile's MMAs (a TMA loader warp, "
              "5 ring stages, an fp32 handoff buffer, 4 epilogue warps): the fastest backward kernel from M = 512 on "
              "(H100 sweep: Llama-3-8B 0.760 vs the split's 0.876 ms at M = 4096, 1.509 vs 1.796 at 8192, Gemma-2-9B "
              "0.703 vs 0.782 and 1.427 vs 1.605, fp16 0.781 vs 0.907, M = 1024 0.195 vs 0.223, 512 0.114 vs 0.118; "
              "cuBLAS's dH alone 0.697 at M = 4096); the split wins at M = 256 (0.060 vs 0.069); Hopper only (wgmma)"),
-    Rule("backward_ws", WS_256_CONFIG, HOPPERS, min_capability=HOPPER, m=(1025, 4096), sweep=BACKWARD_WS_256_H100,
-         why="the planner's M buckets 2048 and 4096: the same kernel on 256x128 tiles (8 MMA warps, 3 stages, dH handed to the epilogue in 16 bits, as eager "
-             "rounds it): a quarter fewer bytes from L2 per flop. H100, calls back to back at the power cap "
-             "(`tune --sweep backward_ws --sustained`), of cuBLAS's dH alone: Llama-3-8B M = 4096 1.183x vs the "
-             "128x128 tile's 1.212x, Gemma-2-9B 1.245x vs 1.385x (group 4: 1.311x), M = 8192 1.192x and 1.256x vs "
-             "group 4's 1.186x and 1.307x, M = 2048 1.175x and 1.288x vs 1.189x and 1.303x (at 1024 the 128x128 tile "
-             "leads: 1.201x vs 1.286x). With L2 flushed before each call (an idle GPU, below its cap) the 128x128 "
-             "tile leads by 5-7% at M = 4096; training runs at the cap. The whole MLP's forward + backward at the cap, "
-             "in three A/B runs of one H100 session: Llama-3-8B M = 4096 0.906-0.931x eager against the 128x128 tile's "
-             "0.964-1.004x"),
+    Rule("backward_ws", WS_256_CONFIG, HOPPERS, min_capability=HOPPER, m=(2049, 4096), sweep=BACKWARD_WS_256_H100,
+         why="the planner's M bucket 4096: the same kernel on 256x128 tiles (8 MMA warps, 3 stages, dH handed to the "
+             "epilogue in 16 bits, as eager rounds it), a quarter fewer bytes from L2 per flop. H100, calls back to "
+             "back at the power cap (`tune --sweep backward_ws --sustained`), of cuBLAS's dH alone: Llama-3-8B "
+             "M = 4096 1.183x vs the 128x128 tile's 1.212x, Gemma-2-9B 1.245x vs 1.385x (group 4: 1.311x); M = 3072 "
+             "1.197x and 1.246x vs group 4's 1.150x and 1.279x. In the bucket below it wins at M = 2048 (1.175x and "
+             "1.288x vs 1.189x and 1.303x) but loses at 1536 (1.283x and 1.346x vs 1.231x and 1.330x) and 1024. With "
+             "L2 flushed before each call (an idle GPU, below its cap) the 128x128 tile leads by 5-7% at M = 4096; "
+             "training runs at the cap. The whole MLP's forward + backward at the cap, in three A/B runs of one H100 "
+             "session: Llama-3-8B M = 4096 0.906-0.931x eager against the 128x128 tile's 0.964-1.004x"),
     Rule("backward_ws", replace(WS_CONFIG, group_m=4), HOPPERS, min_capability=HOPPER, m=(4097, None),
          sweep=BACKWARD_WS_CAP_H100 + BACKWARD_WS_256_H100,
          why="M > 4096: the 128x128 tile with 4 row tiles per group, ahead of 8 with L2 flushed before each call and with "

@@ -100,7 +100,7 @@ def test_backward_variant_adds_dh_in(kernel):
 @pytest.mark.parametrize("epilogue", EPILOGUES[::2], ids=lambda e: repr(e)[:60])
 def test_ws_kernel_256_row_tile_matches_float64(m, k, i, epilogue):
     """The 256x128 tile (8 MMA warps, a 16-bit handoff, the epilogue in 64-row slices) forced at every M:
-    the rules run it for M 1025-4096 only."""
+    the rules run it for M 2049-4096 only."""
     for dtype, in_place, scale in ((torch.bfloat16, True, 1.0), (torch.float16, False, 30.0)):
         dy, wd, preact = _case(m, k, i, dtype, scale)
         dh_in = torch.randn(i, m, device=DEVICE).to(dtype).T if m > 1 else None  # non-contiguous

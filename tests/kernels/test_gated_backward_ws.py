@@ -57,7 +57,7 @@ def test_the_rule_is_hopper_only_and_the_default_config():
 
 
 def test_the_warp_specialized_rules_cover_every_m_from_their_first_on_hopper():
-    """128x128 tiles from M = 513, 256x128 tiles from 1025, 128x128 again above 4096: one range after the
+    """128x128 tiles from M = 513, 256x128 tiles from 2049, 128x128 again above 4096: one range after the
     other, the last open."""
     assert len(WS_RULES) >= 2 and WS_RULES[-1].m[1] is None
     for before, after in zip(WS_RULES, WS_RULES[1:]):
