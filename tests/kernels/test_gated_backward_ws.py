@@ -23,10 +23,8 @@ from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.rules import BACKWARD_RULES, DEFAULT_CONFIGS
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-RULE = next(r for r in BACKWARD_RULES if r.kernel == "backward_ws")
-
-
 WS_RULES = [r for r in BACKWARD_RULES if r.kernel == "backward_ws"]
+RULE = WS_RULES[0]
 # the configs the rules run, up to group_m (the order of the tiles, an integer constexpr: the same registers and
 # shared memory)
 WS_CONFIGS = list(dict.fromkeys(dataclasses.replace(r.config, group_m=8) for r in WS_RULES))
