@@ -28,6 +28,10 @@ class ExpertsBackwardConfig:
         smem_budget_kib: the shared memory (KiB) a kernel's pipelined operand tiles may take; a
             kernel's stages are cut to fit it (fp32 tiles take twice a 16-bit stage), and a
             weight-gradient tile whose one stage would not fit is halved along its longer side.
+        dh_warp_specialized: on Hopper, run dH as the warp-specialized kernel (`experts_dh_ws.py`:
+            its epilogue beside the next tile's MMAs) where it can take the call; its ring has
+            dh_num_stages (or num_stages) stages and its own shared memory (not the budget).
+        dh_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
     block_m: int
@@ -44,6 +48,8 @@ class ExpertsBackwardConfig:
     wgrad_num_stages: int | None = None
     wgrad_rows: int | None = None
     smem_budget_kib: int = 160
+    dh_warp_specialized: bool = False
+    dh_ws_registers: tuple[int, int] = (96, 192)
 
     def __post_init__(self):
         rows = self.wgrad_rows
@@ -56,6 +62,8 @@ class ExpertsBackwardConfig:
         dh_s = "" if self.dh_num_stages is None else f" s{self.dh_num_stages}"
         wg_s = ("" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}") + (
             "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
+        if self.dh_warp_specialized:
+            dh_s += " ws"
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

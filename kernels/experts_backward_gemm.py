@@ -42,39 +42,16 @@ import torch
 import triton
 import triton.language as tl
 
+from . import experts_dh_ws
 from .configs import KernelCapability, ceil_div
 from .experts_backward_config import ExpertsBackwardConfig
 from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
                            _gate_up_strides, _precision, project, project_launchers)
+from .experts_jit import experts_epilogue_grad
 from .experts_low_rank_jit import low_rank_segment
 from .experts_routing import expert_blocks
-from .jit_common import gated_epilogue_grad, tile_pid
+from .jit_common import tile_pid
 from .launcher import FastLaunch
-
-
-@triton.jit
-def experts_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
-                          GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr,
-                          LIMIT: tl.constexpr, ALPHA: tl.constexpr):
-    """(h, dgate, dup) in fp32 for `experts_jit.experts_epilogue`: with ALPHA == 0 the dense
-    `gated_epilogue_grad`; with ALPHA > 0 gpt-oss's h = g * sigmoid(ALPHA g) * (u + 1),
-    g = min(gate, LIMIT), u = clip(up, -LIMIT, LIMIT): with s = sigmoid(ALPHA g),
-    dgate = dh * (u + 1) * s * (1 + ALPHA g (1 - s)) where gate <= LIMIT, dup = dh * g * s where
-    -LIMIT <= up <= LIMIT (a clamp passes no gradient where it clips, as torch.clamp's backward)."""
-    if ALPHA != 0.0:
-        gate_passes = gate <= LIMIT
-        up_passes = (up >= -LIMIT) & (up <= LIMIT)
-        g = tl.minimum(gate, LIMIT)
-        u1 = tl.minimum(tl.maximum(up, -LIMIT), LIMIT) + 1.0
-        s = 1.0 / (1.0 + tl.exp(-ALPHA * g))
-        gs = g * s
-        h = gs * u1
-        dgate = tl.where(gate_passes, dh * u1 * (s + ALPHA * gs * (1.0 - s)), 0.0)
-        dup = tl.where(up_passes, dh * gs, 0.0)
-    else:
-        h, dgate, dup = gated_epilogue_grad(gate, up, dh, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
-                                            LIMIT)
-    return h, dgate, dup
 
 
 @triton.jit
@@ -324,6 +301,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     dh = variants(_experts_dh_kernel, bm * bk + bk * bn, config.dh_num_stages, TOP_K=top_k, GATE_STEP=step,
                   HAS_BIAS=has_bias, **epilogue, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=config.group_m,
                   HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16)
+    dh_ws = experts_dh_ws.make_launcher(config, epilogue, top_k, step) if config.dh_warp_specialized else None
     ba, bb = config.wgrad_block_a, config.wgrad_block_b
     dwd = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True)
     dwgu = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=False, B_BY_TOKEN=True,
@@ -380,11 +358,17 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         lr_strides = (dout_lr.stride(0), *a_d.stride()) if lr_d else (0, 0, 0, 0)
         tiles_i = ceil_div(inter, config.block_n)
         dw_part = torch.zeros((num_pairs, tiles_i), dtype=torch.float32, device=x.device)
-        dh[precision](num_blocks * tiles_i, device,
-                      dout, sorted_pairs, block_expert, top_k_weights, down, d_bias, preact, dpre, hw, dw_part,
-                      *lr_args[:2], num_pairs, num_blocks, k_out, inter, up_shift, num_experts, lr_args[2],
-                      *dout.stride(), *top_k_weights.stride(), *_down_strides(down, layout), d_bias.stride(0),
-                      d_bias.stride(1), preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0), *lr_strides)
+        down_strides = _down_strides(down, layout)
+        if dh_ws is not None and experts_dh_ws.can_run(dout, down, down_strides, has_bias, bool(lr_d)):
+            dh_ws(dout, sorted_pairs, block_expert, top_k_weights, down, down_strides, preact, dpre, hw, dw_part,
+                  num_experts, up_shift)
+        else:
+            dh[precision](num_blocks * tiles_i, device,
+                          dout, sorted_pairs, block_expert, top_k_weights, down, d_bias, preact, dpre, hw, dw_part,
+                          *lr_args[:2], num_pairs, num_blocks, k_out, inter, up_shift, num_experts, lr_args[2],
+                          *dout.stride(), *top_k_weights.stride(), *down_strides, d_bias.stride(0),
+                          d_bias.stride(1), preact.stride(0), dpre.stride(0), hw.stride(0), dw_part.stride(0),
+                          *lr_strides)
         dweights = dw_part.sum(1).view(t, top_k).to(top_k_weights.dtype) if need_w else None
         del dw_part
         dx = dgate_up = ddown = dgate_up_bias = ddown_bias = None

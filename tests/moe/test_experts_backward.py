@@ -369,3 +369,56 @@ def test_store_mode_backpropagates_a_graph_once(train):
                 torch.autograd.grad(out, x, dout)
         else:
             assert torch.equal(torch.autograd.grad(out, x, dout)[0], first)
+
+
+HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+WS_CONFIG = dataclasses.replace(next(r.config for r in EXPERTS_BACKWARD_RULES if r.gpus), dh_warp_specialized=True)
+# (tokens, experts, top-k, K, I, routing, dtype, store): tiles past one per program (the ring and the handoff
+# wrap), K and I off every block, one token, all first choices on one expert, an expert with none, sentinels
+WS_CASES = {
+    "many_tiles": (1024, 8, 8, 1024, 640, "uniform", torch.bfloat16, True),
+    "tails": (300, 6, 3, 200, 120, "uniform", torch.float16, False),
+    "one_token": (1, 4, 2, 64, 32, "uniform", torch.bfloat16, True),
+    "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16, True),
+    "empty_expert": (257, 4, 2, 128, 136, "empty_expert", torch.float16, True),
+    "sentinels": (130, 4, 2, 96, 64, "uniform", torch.bfloat16, False),
+    "large": (200, 4, 2, 64, 48, "uniform", torch.float16, True),
+}
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_the_warp_specialized_dh_kernel(case, monkeypatch):
+    """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
+    kernel that ran (no fallback), and every gradient within twice torch's own error."""
+    from swiglu_patch.kernels import experts_dh_ws
+
+    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
+    ran = []
+    can_run = experts_dh_ws.can_run
+    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+    scale = 8.0 if case == "large" else 1.0
+    w = _weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = _routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    _check(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
+           kernel="experts_backward_grouped", config=WS_CONFIG)
+    assert ran == [True]
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+def test_the_warp_specialized_dh_kernel_leaves_biases_and_transposed_weights_to_the_other(monkeypatch):
+    from swiglu_patch.kernels import experts_dh_ws
+
+    ran = []
+    can_run = experts_dh_ws.can_run
+    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+    for layout, bias in ((LAYOUTS[0], True), (LAYOUTS[1], False)):
+        w = _weights(4, 64, 32, layout, bias, torch.bfloat16)
+        x = torch.randn(40, 64).to(DEVICE, torch.bfloat16)
+        index, weights = _routing(40, 4, 2)
+        _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16, kernel="experts_backward_grouped",
+               config=WS_CONFIG)
+    assert ran == [False, False]

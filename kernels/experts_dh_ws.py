@@ -1,0 +1,285 @@
+"""The experts backward's dH kernel, warp-specialized for Hopper, in Gluon.
+
+Computes what `experts_backward_gemm._experts_dh_kernel` computes (its module docstring has the
+math, layouts and rounding), per (block of pairs, I tile): G = dOut[t] @ Wd[e] in fp32 over
+K_out, with dOut's rows gathered by token; then from the tile's gate and up columns of P,
+dP = d(sum dh * h)/dP with dh = w_p * G (over P when dP is P), hw = w_p * h, and the routing
+weight's part <G, h> per column tile. The epilogue of one tile runs while the tensor cores work
+on the next, as in the dense `gated_backward_ws.py`. Each persistent program (one per SM) holds
+three groups of warps that hand work on through shared memory and mbarriers:
+
+- the loader (LOADER_WARPS warps): per K step, the block's [BLOCK_M, BLOCK_K] rows of dOut
+  (gathered by token: Hopper's TMA has no row gather) and one [BLOCK_K, BLOCK_N] tile of Wd[e]
+  by cp.async into a ring of NUM_STAGES buffers. A step's copies are waited for LAG steps
+  later (cp.async groups), then fenced for the tensor cores and signalled;
+- the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
+  accumulator [BLOCK_M, BLOCK_N], written when the tile is done into one shared handoff buffer
+  (fp32 where it fits beside the ring, else in dOut's dtype);
+- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
+  slices, gathers P's rows by pair, and writes dP, hw and dw_part.
+
+Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
+groups alike. What it takes (`can_run`): 16-bit operands, no biases and no low-rank segment,
+Wd[e] with I contiguous ([E, K_out, I]: the non-transposed layout) and dOut with K_out
+contiguous, 16-byte-aligned base pointers and rows (8-element strides); the rest runs the
+one-program-per-tile kernel. Gluon kernels run on the GPU only (no interpreter), and wgmma on
+Hopper only. Written against Triton 3.6's Gluon; the names that changed by 3.9 are aliased.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
+
+from .device import capability, interpreting, num_sms
+from .experts_backward_config import ExpertsBackwardConfig
+from .experts_jit import experts_epilogue_grad
+from .jit_common import tile_pid
+from .launcher import FastLaunch
+
+# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
+_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
+_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+LOADER_WARPS = 4
+EPILOGUE_WARPS = 4
+EPILOGUE_N = 16  # columns per epilogue slice: 16-byte loads and stores of P, dP and hw
+
+
+@gluon.jit
+def _loader(dy_ptr, d_ptr, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+            NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
+            TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+            GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
+            LOADER_WARPS: gl.constexpr):
+    """cp.async of dOut's gathered rows and of Wd[e]'s tile into the ring; a stage is signalled
+    ready LAG steps after its copies were issued, once they have landed."""
+    a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
+    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [LOADER_WARPS, 1], [1, 0])
+    tiles_n = gl.cdiv(I, BLOCK_N)
+    k_tiles = gl.cdiv(K_OUT, BLOCK_K)
+    offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+    offs_ak = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    offs_bk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_layout))
+    offs_bn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, b_layout))
+    step = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        expert = gl.load(blocks_ptr + pid_m)
+        if expert < NUM_EXPERTS:
+            pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + offs_am)
+            mask_m = pairs < NUM_PAIRS
+            tokens = pairs.to(gl.int64) // TOP_K
+            a_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_ak[None, :]  # [BLOCK_M, BLOCK_K]
+            cols = pid_n * BLOCK_N + offs_bn
+            b_ptrs = (d_ptr + expert.to(gl.int64) * stride_de + offs_bk[:, None].to(gl.int64) * stride_dn
+                      + cols[None, :])  # [BLOCK_K, BLOCK_N]
+            mask_n = cols < I
+            for ki in range(k_tiles):
+                s = step % NUM_STAGES
+                mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+                k_left = K_OUT - ki * BLOCK_K
+                _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None] & (offs_ak[None, :] < k_left))
+                _cp_async(b_ring.index(s), b_ptrs + ki * BLOCK_K * stride_dn,
+                          mask=(offs_bk[:, None] < k_left) & mask_n[None, :])
+                async_copy.commit_group()
+                # the copies issued LAG steps ago have landed: that stage is ready for the tensor cores
+                async_copy.wait_group(LAG)
+                if step >= LAG:
+                    fence_async_shared()
+                    _partition_barrier()
+                    mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
+                step += 1
+    async_copy.wait_group(0)
+    fence_async_shared()
+    _partition_barrier()
+    for done in range(max(step - LAG, 0), step):
+        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
+         NUM_EXPERTS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
+    """G tiles by wgmma over the ring, each written to the handoff buffer when done."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    tiles_n = gl.cdiv(I, BLOCK_N)
+    k_tiles = gl.cdiv(K_OUT, BLOCK_K)
+    step = 0
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        expert = gl.load(blocks_ptr + pid_m)
+        if expert < NUM_EXPERTS:
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            for ki in range(k_tiles):
+                s = step % NUM_STAGES
+                mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+                acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # the MMA of the step before has retired: its stage is free
+                mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
+            mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
+            handoff.store(acc.to(handoff.dtype))
+            _partition_barrier()
+            mbarrier.arrive(handoff_ready, count=1)
+            tiles_done += 1
+
+
+@gluon.jit
+def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
+              NUM_PAIRS, NUM_BLOCKS, I, UP_SHIFT, NUM_EXPERTS, stride_rt, stride_rj, stride_pm, stride_dpm,
+              stride_hm, stride_dwm,
+              TOP_K: gl.constexpr, GATE_STEP: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
+              GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr,
+              ALPHA: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_N: gl.constexpr,
+              EPILOGUE_WARPS: gl.constexpr):
+    """Per tile, per [EPILOGUE_M, EPILOGUE_N] slice of the handoff: dP, hw and the tile's dw part."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPILOGUE_N, EPILOGUE_N // 8], [EPILOGUE_WARPS, 1],
+                                            [1, 0])
+    tiles_n = gl.cdiv(I, BLOCK_N)
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        expert = gl.load(blocks_ptr + pid_m)
+        if expert < NUM_EXPERTS:
+            mbarrier.wait(handoff_ready, tiles_done & 1)
+            for r in gl.static_range(BLOCK_M // EPILOGUE_M):
+                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + r * EPILOGUE_M
+                                + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout)))
+                mask_m = pairs < NUM_PAIRS
+                rows = pairs.to(gl.int64)
+                tokens = rows // TOP_K
+                weight = gl.load(rw_ptr + tokens * stride_rt + (rows % TOP_K) * stride_rj, mask=mask_m,
+                                 other=0.0).to(gl.float32)
+                part = gl.zeros([EPILOGUE_M], gl.float32, gl.SliceLayout(1, layout))
+                for j in gl.static_range(BLOCK_N // EPILOGUE_N):
+                    cols = pid_n * BLOCK_N + j * EPILOGUE_N + gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+                    mask = mask_m[:, None] & (cols[None, :] < I)
+                    g = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).slice(j * EPILOGUE_N, EPILOGUE_N, dim=1).load(
+                        layout).to(gl.float32)
+                    gate_cols = (cols * GATE_STEP).to(gl.int64)
+                    p_rows = p_ptr + rows[:, None] * stride_pm
+                    gate = gl.load(p_rows + gate_cols[None, :], mask=mask, other=0.0).to(gl.float32)
+                    up = gl.load(p_rows + (gate_cols + UP_SHIFT)[None, :], mask=mask, other=0.0).to(gl.float32)
+                    h, dgate, dup = experts_epilogue_grad(gate, up, g * weight[:, None], ACTIVATION, APPROX_TANH,
+                                                          GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA)
+                    dp_rows = dp_ptr + rows[:, None] * stride_dpm
+                    gl.store(dp_rows + gate_cols[None, :], dgate.to(dp_ptr.dtype.element_ty), mask=mask)
+                    gl.store(dp_rows + (gate_cols + UP_SHIFT)[None, :], dup.to(dp_ptr.dtype.element_ty), mask=mask)
+                    h = h.to(hw_ptr.dtype.element_ty).to(gl.float32)  # h as the forward rounded it
+                    gl.store(hw_ptr + rows[:, None] * stride_hm + cols[None, :],
+                             (h * weight[:, None]).to(hw_ptr.dtype.element_ty), mask=mask)
+                    part += gl.sum(gl.where(mask, g * h, 0.0), 1)
+                gl.store(dw_ptr + rows * stride_dwm + pid_n, part, mask=mask_m)
+            _partition_barrier()
+            mbarrier.arrive(handoff_free, count=1)
+            tiles_done += 1
+
+
+@gluon.jit
+def _experts_dh_ws_kernel(
+    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
+    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS,
+    stride_dym, stride_rt, stride_rj, stride_de, stride_dn, stride_pm, stride_dpm, stride_hm, stride_dwm,
+    TOP_K: gl.constexpr, GATE_STEP: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
+    GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, LOADER_WARPS: gl.constexpr,
+    LOADER_REGISTERS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_N: gl.constexpr,
+    EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGISTERS: gl.constexpr, HANDOFF_FP32: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    dtype: gl.constexpr = dy_ptr.dtype.element_ty
+    a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dtype
+    handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_M, BLOCK_N],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], handoff_dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(handoff_ready, count=1)
+    mbarrier.init(handoff_free, count=1)
+
+    gl.warp_specialize([
+        (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
+                NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
+        (_loader, (dy_ptr, d_ptr, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+                   NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
+                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
+        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
+                     NUM_PAIRS, NUM_BLOCKS, I, UP_SHIFT, NUM_EXPERTS, stride_rt, stride_rj, stride_pm, stride_dpm,
+                     stride_hm, stride_dwm, TOP_K, GATE_STEP, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
+                     LIMIT, ALPHA, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_N, EPILOGUE_WARPS)),
+    ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
+
+
+def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int, int], has_bias: bool,
+            low_rank: bool) -> bool:
+    """A 16-bit call on a Hopper GPU, outside the interpreter, without biases or a low-rank
+    segment, with Wd[e]'s I axis and dOut's K_out axis contiguous and every row and base
+    pointer 16-byte aligned (cp.async's 16-byte copies)."""
+    _, stride_dn, stride_di = down_strides
+    return (dout.is_cuda and not interpreting() and dout.dtype in (torch.bfloat16, torch.float16)
+            and down.dtype == dout.dtype and not has_bias and not low_rank
+            and capability(dout.device.index or 0)[0] == 9
+            and stride_di == 1 and stride_dn % 8 == 0 and dout.stride(1) == 1 and dout.stride(0) % 8 == 0
+            and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
+
+
+def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gate_step: int):
+    """A launcher `(dout [T, K_out], sorted_pairs, block_expert, top_k_weights [T, TOP_K], down,
+    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / block_n] fp32, num_experts,
+    up_shift)` running one persistent program per SM, for calls that passed `can_run`; writes
+    dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
+
+    config: the pairs' block_m x block_n tiles (block_m 128: one warpgroup of 4 MMA warps), block_k
+    steps, dh_num_stages (or num_stages) ring buffers, group_m; the loader and the epilogue take
+    4 warps each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
+    stages = config.dh_num_stages or config.num_stages
+    if config.block_m != 128 or config.block_n % EPILOGUE_N or config.block_n > 256 or config.block_k > 256:
+        raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 256, got "
+                         f"{config.block_m}x{config.block_n}x{config.block_k}")
+    ring_bytes = stages * (config.block_m + config.block_n) * config.block_k * 2
+    loader_registers, epilogue_registers = config.dh_ws_registers
+    fixed = dict(
+        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=stages, LAG=max(1, stages - 2),
+        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=loader_registers,
+        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * EPILOGUE_WARPS), EPILOGUE_N=EPILOGUE_N,
+        EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGISTERS=epilogue_registers,
+        HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES, num_warps=4,
+    )
+    kernels: dict[int, FastLaunch] = {}  # programs -> launcher
+
+    def launch(dout, sorted_pairs, block_expert, top_k_weights, down, down_strides, preact, dpreact, hw, dw_part,
+               num_experts: int, up_shift: int) -> None:
+        index = dout.device.index or 0
+        programs = num_sms(index)
+        kernel = kernels.get(programs)
+        if kernel is None:  # a constant NUM_PROGRAMS per device compiles once whatever the tile count
+            kernel = kernels[programs] = FastLaunch(_experts_dh_ws_kernel, dict(fixed, NUM_PROGRAMS=programs))
+        kernel(programs, index, dout, sorted_pairs, block_expert, top_k_weights, down, preact, dpreact, hw, dw_part,
+               preact.shape[0], block_expert.shape[0], dout.shape[1], hw.shape[1], up_shift, num_experts,
+               dout.stride(0), *top_k_weights.stride(), down_strides[0], down_strides[1], preact.stride(0),
+               dpreact.stride(0), hw.stride(0), dw_part.stride(0))
+
+    launch.constexprs = fixed  # what the kernel compiles with, less NUM_PROGRAMS (tests compile it without a GPU)
+    return launch

@@ -1,0 +1,64 @@
+"""Compile `experts_dh_ws`'s kernel for sm_90a without a GPU (run by `test_experts_dh_ws.py` in a
+process without TRITON_INTERPRET: Gluon compiles jit functions, not the interpreter's).
+
+    python experts_ws_compile.py DTYPE EPILOGUE CUBIN_OUT CONFIG_JSON
+
+EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp). CONFIG_JSON: an
+`ExpertsBackwardConfig`'s fields as JSON.
+
+prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton
+
+from swiglu_patch.kernels import experts_dh_ws as ws
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
+from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
+
+
+def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilogue: str):
+    """The kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K_out = 2048,
+    I = 768 specializes it (16-byte-aligned pointers and sizes, unit inner strides), without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    t, top_k, e, k_out, i = 512, 8, 64, 2048, 768
+    s = t * top_k
+    experts_epilogue = (ExpertsEpilogue(GatedEpilogue("silu", limit=7.0), alpha=1.702) if epilogue == "gpt_oss"
+                        else ExpertsEpilogue(GatedEpilogue(epilogue)))
+    launch = ws.make_launcher(config, dict(experts_epilogue.constexprs(), APPROX_TANH=True), top_k, 1)
+    fixed = dict(launch.constexprs, NUM_PROGRAMS=132)
+    runtime = dict(dy_ptr=torch.empty(t, k_out, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int32),
+                   blocks_ptr=torch.empty(s // 128, dtype=torch.int32), rw_ptr=torch.empty(t, top_k, dtype=dtype),
+                   d_ptr=torch.empty(e, k_out, i, dtype=dtype), p_ptr=torch.empty(s, 2 * i, dtype=dtype),
+                   dp_ptr=torch.empty(s, 2 * i, dtype=dtype), hw_ptr=torch.empty(s, i, dtype=dtype),
+                   dw_ptr=torch.empty(s, i // config.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
+                   K_OUT=k_out, I=i, UP_SHIFT=i, NUM_EXPERTS=e, stride_dym=k_out, stride_rt=top_k, stride_rj=1,
+                   stride_de=k_out * i, stride_dn=i, stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
+                   stride_dwm=i // config.block_n)
+    num_warps = fixed.pop("num_warps")
+    names = ws._experts_dh_ws_kernel.arg_names
+    signature = {n: "constexpr" if n in fixed or n == "num_warps" else mangle_type(runtime[n]) for n in names}
+    constexprs = {(names.index(n),): v for n, v in dict(fixed, num_warps=num_warps).items()}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in runtime.items()
+             if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0)}
+    source = GluonASTSource(ws._experts_dh_ws_kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}), fixed
+
+
+if __name__ == "__main__":
+    dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
+    fields = json.loads(config_json)
+    fields["dh_ws_registers"] = tuple(fields["dh_ws_registers"])
+    compiled, fixed = compile_for_hopper(ExpertsBackwardConfig(**fields), getattr(torch, dtype_name), epilogue)
+    with open(cubin_out, "wb") as f:
+        f.write(compiled.asm["cubin"])
+    print(json.dumps({"shared": compiled.metadata.shared, "HANDOFF_FP32": fixed["HANDOFF_FP32"]}))
