@@ -82,14 +82,15 @@ def _autograd(x, index, weights, w, epilogue, layout, dout):
 
 
 def _check(x, index, weights, w, epilogue, layout, dtype, store=True, **kw):
-    """Ours (store or recompute mode) against float64 autograd, within 2x torch's own error in dtype."""
+    """Ours (store or recompute mode) against float64 autograd, within 2x torch's own error in dtype;
+    kw (kernel, config) go to the backward."""
     dout = torch.randn(x.shape[0], w[1].shape[2] if layout.transposed else w[1].shape[1]).to(DEVICE, dtype)
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     ref = _autograd(f64(x), index, f64(weights), [f64(t) for t in w], epilogue, layout, dout.double())
     theirs = _autograd(x, index, weights, w, epilogue, layout, dout)
     preact = None
     if store:
-        out, preact = experts_forward_with_preact(x, index, weights, *w[:2], epilogue, layout, *w[2:], **kw)
+        out, preact = experts_forward_with_preact(x, index, weights, *w[:2], epilogue, layout, *w[2:])
         out_ref = experts_reference(*(f64(t) for t in (x,)), index, f64(weights), *(f64(t) for t in w[:2]), epilogue,
                                     layout, *(f64(t) for t in w[2:]))
         assert rel_err(out, out_ref) <= 2 * rel_err(experts_reference(x, index, weights, *w[:2], epilogue, layout,
