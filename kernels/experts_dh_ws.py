@@ -21,8 +21,8 @@ three groups of warps that hand work on through shared memory and mbarriers:
 Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
 groups alike. What it takes (`can_run`): 16-bit operands, no biases and no low-rank segment,
 Wd[e] with I contiguous ([E, K_out, I]: the non-transposed layout) and dOut with K_out
-contiguous, 16-byte-aligned base pointers and rows (8-element strides); the rest runs the
-one-program-per-tile kernel. Gluon kernels run on the GPU only (no interpreter), and wgmma on
+contiguous, K_out, I and the strides multiples of 16, 16-byte-aligned base pointers (every real
+model's experts); the rest runs the one-program-per-tile kernel. Gluon kernels run on the GPU only (no interpreter), and wgmma on
 Hopper only. Written against Triton 3.6's Gluon; the names that changed by 3.9 are aliased.
 """
 
@@ -231,16 +231,18 @@ def _experts_dh_ws_kernel(
     ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
 
 
-def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int, int], has_bias: bool,
-            low_rank: bool) -> bool:
+def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int, int], inter: int,
+            has_bias: bool, low_rank: bool) -> bool:
     """A 16-bit call on a Hopper GPU, outside the interpreter, without biases or a low-rank
-    segment, with Wd[e]'s I axis and dOut's K_out axis contiguous and every row and base
-    pointer 16-byte aligned (cp.async's 16-byte copies)."""
+    segment, with Wd[e]'s I axis and dOut's K_out axis contiguous, and K_out, I, the row strides
+    and base pointers multiples of 16 (elements; bytes for pointers): what Triton's specialization
+    needs to prove every 8-element cp.async copy (and its mask) whole and 16-byte aligned."""
     _, stride_dn, stride_di = down_strides
     return (dout.is_cuda and not interpreting() and dout.dtype in (torch.bfloat16, torch.float16)
             and down.dtype == dout.dtype and not has_bias and not low_rank
             and capability(dout.device.index or 0)[0] == 9
-            and stride_di == 1 and stride_dn % 8 == 0 and dout.stride(1) == 1 and dout.stride(0) % 8 == 0
+            and stride_di == 1 and dout.stride(1) == 1
+            and all(n % 16 == 0 for n in (dout.shape[1], inter, stride_dn, dout.stride(0), down_strides[0]))
             and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
 
 
