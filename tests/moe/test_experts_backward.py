@@ -381,7 +381,7 @@ WS_CASES = {
     "tails": (300, 6, 3, 208, 144, "uniform", torch.float16, False),
     "one_token": (1, 4, 2, 64, 32, "uniform", torch.bfloat16, True),
     "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16, True),
-    "empty_expert": (257, 4, 2, 128, 136, "empty_expert", torch.float16, True),
+    "empty_expert": (257, 4, 2, 128, 176, "empty_expert", torch.float16, True),
     "sentinels": (130, 4, 2, 96, 64, "uniform", torch.bfloat16, False),
     "large": (200, 4, 2, 64, 48, "uniform", torch.float16, True),
 }
