@@ -375,7 +375,8 @@ def test_store_mode_backpropagates_a_graph_once(train):
 HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
 WS_CONFIG = dataclasses.replace(next(r.config for r in EXPERTS_BACKWARD_RULES if r.gpus), dh_warp_specialized=True)
 # (tokens, experts, top-k, K, I, routing, dtype, store): tiles past one per program (the ring and the handoff
-# wrap), K and I off every block, one token, all first choices on one expert, an expert with none, sentinels
+# wrap), K and I off every block, one token, all first choices on one expert, an expert with none, sentinels, and
+# inputs of scale 8 (bf16: fp16 autograd, the bound, overflows there)
 WS_CASES = {
     "many_tiles": (1024, 8, 8, 1024, 640, "uniform", torch.bfloat16, True),
     "tails": (300, 6, 3, 208, 144, "uniform", torch.float16, False),
@@ -383,7 +384,7 @@ WS_CASES = {
     "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16, True),
     "empty_expert": (257, 4, 2, 128, 176, "empty_expert", torch.float16, True),
     "sentinels": (130, 4, 2, 96, 64, "uniform", torch.bfloat16, False),
-    "large": (200, 4, 2, 64, 48, "uniform", torch.float16, True),
+    "large": (200, 4, 2, 64, 48, "uniform", torch.bfloat16, True),
 }
 
 
