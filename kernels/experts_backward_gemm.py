@@ -84,21 +84,29 @@ def _experts_dh_kernel(
         dy_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_k[None, :] * stride_dyk  # [BLOCK_M, BLOCK_K]
         d_ptrs = (d_ptr + expert.to(tl.int64) * stride_de + offs_k[:, None] * stride_dn
                   + offs_n[None, :].to(tl.int64) * stride_di)  # [BLOCK_K, BLOCK_N]
-        db_ptrs = db_ptr + expert.to(tl.int64) * stride_dbe + offs_k * stride_dbn
-        # -- main loop: G = dOut[t] @ Wd[e] over K_out, fp32; and <dOut[t], bd[e]> for dw --
+        # -- main loop: G = dOut[t] @ Wd[e] over K_out, fp32 --
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k in range(0, tl.cdiv(K_OUT, BLOCK_K)):
             k_left = K_OUT - k * BLOCK_K
             dy = tl.load(dy_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
             wd = tl.load(d_ptrs, mask=(offs_k[:, None] < k_left) & mask_n[None, :], other=0.0)
             acc = tl.dot(dy, wd, acc, input_precision=INPUT_PRECISION)
-            if HAS_BIAS:
-                bd = tl.load(db_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
-                bias_dot += tl.sum(dy.to(tl.float32) * bd[None, :], 1)
-                db_ptrs += BLOCK_K * stride_dbn
             dy_ptrs += BLOCK_K * stride_dyk
             d_ptrs += BLOCK_K * stride_dn
+        # -- <dOut[t], bd[e]> for dw, in column tile 0 only, by a loop of its own: inside the main loop (dOut's
+        # tile read by the dot and by this sum) Hopper's pipelined build corrupted G at 4 stages --
+        bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if HAS_BIAS:
+            if pid_n == 0:
+                dy_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_k[None, :] * stride_dyk
+                db_ptrs = db_ptr + expert.to(tl.int64) * stride_dbe + offs_k * stride_dbn
+                for k in range(0, tl.cdiv(K_OUT, BLOCK_K)):
+                    k_left = K_OUT - k * BLOCK_K
+                    dy = tl.load(dy_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                    bd = tl.load(db_ptrs, mask=offs_k < k_left, other=0.0).to(tl.float32)
+                    bias_dot += tl.sum(dy.to(tl.float32) * bd[None, :], 1)
+                    dy_ptrs += BLOCK_K * stride_dyk
+                    db_ptrs += BLOCK_K * stride_dbn
         if HAS_LOW_RANK:  # r more K steps: G += dout_lr[p] @ A_d[e] (dout_lr = s dOut[t] @ B_d[e])
             acc = low_rank_segment(acc, lr_ptr, rows, mask_m, stride_lm, la_ptr + expert.to(tl.int64) * stride_lae,
                                    stride_lar, stride_lai, offs_n, mask_n, R, BLOCK_R, INPUT_PRECISION)
