@@ -17,7 +17,8 @@ kernel, `experts_gemm._experts_gated_gemm_kernel` with STORE_PREACT), on the blo
   dtype, over P when dP is P (each program reads its P tile before it writes the same elements);
   hw[p] = w_p * h[p] [S, I] (for dWd); and the routing weight's gradient per column tile,
   dw_part[p, tile] = <G, h> (+ <dOut[t], bd[e]> in tile 0), fp32: dw = dw_part summed over
-  tiles afterwards, in a fixed order (deterministic).
+  tiles afterwards, in a fixed order (deterministic). A config with dh_warp_specialized runs it
+  as `experts_dh_ws.py` (Gluon, Hopper) where that kernel can take the call (its `can_run`).
 - `_experts_wgrad_kernel`, per (expert, output tile): out[e] = sum over e's blocks A^T @ B, rows
   gathered by pair or by token, fp32, rounded once; bias = sum over rows of A (times w_p if
   asked). dWd[e] = dOut^T @ hw with dbd[e] = sum w_p dOut[t]; dWgu[e] = dP^T @ x with

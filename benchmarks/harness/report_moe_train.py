@@ -25,9 +25,13 @@ KERNEL_PRODUCTS = {
 }
 
 
+# Kernels that compute the same product under another name: the warp-specialized dH kernel (Hopper's rule).
+SAME_PRODUCT = {"_experts_dh_ws_kernel": "_experts_dh_kernel"}
+
+
 def _kernel_us(kernels: list, name: str, nth: int) -> float | None:
-    """The nth launch of kernel `name` in a `profile_of` list (None: not there)."""
-    found = [us for k, us in kernels if k == name]
+    """The nth launch of kernel `name` (or of one in `SAME_PRODUCT` for it) in a `profile_of` list (None: not there)."""
+    found = [us for k, us in kernels if SAME_PRODUCT.get(k, k) == name]
     return found[nth] if len(found) > nth else None
 
 
@@ -48,6 +52,7 @@ def _kernel_cells(kernels: list | None, rule_kernels: list | None) -> str:
     def times(ks):
         seen, out = {}, {}
         for name, us in ks:
+            name = SAME_PRODUCT.get(name, name)
             n = seen[name] = seen.get(name, -1) + 1
             out[(name, n)] = us
         return out
@@ -95,7 +100,8 @@ def render_markdown(data: dict) -> str:
                     continue
                 ratio = None if v["ms"] is None or not v["rule_ms"] else v["ms"] / v["rule_ms"]
                 c = v["config"]
-                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}, "
+                tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}"
+                         f"{' ws' if c.get('dh_warp_specialized') else ''}, "
                          f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
                          f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}, "
                          f"w{c['num_warps']} s{c['num_stages']}"
