@@ -8,14 +8,14 @@ weight's part <G, h> per column tile. The epilogue of one tile runs while the te
 on the next, as in the dense `gated_backward_ws.py`. Each persistent program (one per SM) holds
 three groups of warps that hand work on through shared memory and mbarriers:
 
-- the loader (LOADER_WARPS warps): per K step, the block's [BLOCK_M, BLOCK_K] rows of dOut
+- the loader (LOADER_WARPS warps, 4 in the rule): per K step, the block's [BLOCK_M, BLOCK_K] rows of dOut
   (gathered by token: Hopper's TMA has no row gather) and one [BLOCK_K, BLOCK_N] tile of Wd[e]
   by cp.async into a ring of NUM_STAGES buffers. A step's copies are waited for LAG steps
   later (cp.async groups), then fenced for the tensor cores and signalled;
 - the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
   accumulator [BLOCK_M, BLOCK_N], written when the tile is done into one shared handoff buffer
   (fp32 where it fits beside the ring, else in dOut's dtype);
-- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
+- the epilogue group (EPILOGUE_WARPS warps, 4 in the rule): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
   slices, gathers P's rows by pair, and writes dP, hw and dw_part.
 
 Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
                                                               warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .device import capability, interpreting, num_sms
 from .experts_backward_config import ExpertsBackwardConfig
@@ -44,19 +45,20 @@ from .launcher import FastLaunch
 _partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
+# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
-LOADER_WARPS = 4
-EPILOGUE_WARPS = 4
 EPILOGUE_N = 16  # columns per epilogue slice: 16-byte loads and stores of P, dP and hw
 
 
 @gluon.jit
-def _loader(dy_ptr, d_ptr, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+def _loader(dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
             NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
             TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
-            LOADER_WARPS: gl.constexpr):
+            LOADER_WARPS: gl.constexpr, TMA_WEIGHTS: gl.constexpr):
     """cp.async of dOut's gathered rows and of Wd[e]'s tile into the ring; a stage is signalled
     ready LAG steps after its copies were issued, once they have landed."""
     a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
@@ -85,8 +87,13 @@ def _loader(dy_ptr, d_ptr, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                 mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
                 k_left = K_OUT - ki * BLOCK_K
                 _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None] & (offs_ak[None, :] < k_left))
-                _cp_async(b_ring.index(s), b_ptrs + ki * BLOCK_K * stride_dn,
-                          mask=(offs_bk[:, None] < k_left) & mask_n[None, :])
+                if TMA_WEIGHTS:  # Wd as [E * K_out, I]: K_out % BLOCK_K == 0, so a box stays in its expert
+                    mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
+                    _tma_load(wd_desc, [expert * K_OUT + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s),
+                              b_ring.index(s))
+                else:
+                    _cp_async(b_ring.index(s), b_ptrs + ki * BLOCK_K * stride_dn,
+                              mask=(offs_bk[:, None] < k_left) & mask_n[None, :])
                 async_copy.commit_group()
                 # the copies issued LAG steps ago have landed: that stage is ready for the tensor cores
                 async_copy.wait_group(LAG)
@@ -189,7 +196,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_pt
 
 @gluon.jit
 def _experts_dh_ws_kernel(
-    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
+    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr, wd_desc,
     NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS,
     stride_dym, stride_rt, stride_rj, stride_de, stride_dn, stride_pm, stride_dpm, stride_hm, stride_dwm,
     TOP_K: gl.constexpr, GATE_STEP: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
@@ -198,7 +205,7 @@ def _experts_dh_ws_kernel(
     NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, LOADER_WARPS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_N: gl.constexpr,
     EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGISTERS: gl.constexpr, HANDOFF_FP32: gl.constexpr,
-    num_warps: gl.constexpr,
+    TMA_WEIGHTS: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
@@ -213,7 +220,7 @@ def _experts_dh_ws_kernel(
     handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(ready.index(s), count=2 if TMA_WEIGHTS else 1)  # with TMA: its expect, and the rows' arrive
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(handoff_ready, count=1)
     mbarrier.init(handoff_free, count=1)
@@ -221,9 +228,10 @@ def _experts_dh_ws_kernel(
     gl.warp_specialize([
         (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
                 NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-        (_loader, (dy_ptr, d_ptr, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+        (_loader, (dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                    NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
-                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
+                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
+                   TMA_WEIGHTS)),
         (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
                      NUM_PAIRS, NUM_BLOCKS, I, UP_SHIFT, NUM_EXPERTS, stride_rt, stride_rj, stride_pm, stride_dpm,
                      stride_hm, stride_dwm, TOP_K, GATE_STEP, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
@@ -232,42 +240,50 @@ def _experts_dh_ws_kernel(
 
 
 def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int, int], inter: int,
-            has_bias: bool, low_rank: bool) -> bool:
+            has_bias: bool, low_rank: bool, config: ExpertsBackwardConfig) -> bool:
     """A 16-bit call on a Hopper GPU, outside the interpreter, without biases or a low-rank
     segment, with Wd[e]'s I axis and dOut's K_out axis contiguous, and K_out, I, the row strides
     and base pointers multiples of 16 (elements; bytes for pointers): what Triton's specialization
-    needs to prove every 8-element cp.async copy (and its mask) whole and 16-byte aligned."""
-    _, stride_dn, stride_di = down_strides
+    needs to prove every 8-element cp.async copy (and its mask) whole and 16-byte aligned. With
+    config.dh_ws_tma_weights, also Wd seen as [E * K_out, I] (experts one after the other) and
+    K_out a multiple of block_k (a box never crosses into the next expert)."""
+    stride_de, stride_dn, stride_di = down_strides
+    k_out = dout.shape[1]
     return (dout.is_cuda and not interpreting() and dout.dtype in (torch.bfloat16, torch.float16)
             and down.dtype == dout.dtype and not has_bias and not low_rank
             and capability(dout.device.index or 0)[0] == 9
             and stride_di == 1 and dout.stride(1) == 1
-            and all(n % 16 == 0 for n in (dout.shape[1], inter, stride_dn, dout.stride(0), down_strides[0]))
-            and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
+            and all(n % 16 == 0 for n in (k_out, inter, stride_dn, dout.stride(0), stride_de))
+            and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0
+            and (not config.dh_ws_tma_weights or (stride_de == k_out * stride_dn and k_out % config.block_k == 0)))
 
 
 def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gate_step: int):
     """A launcher `(dout [T, K_out], sorted_pairs, block_expert, top_k_weights [T, TOP_K], down,
-    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / block_n] fp32, num_experts,
-    up_shift)` running one persistent program per SM, for calls that passed `can_run`; writes
-    dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
+    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / launch.block_n] fp32,
+    num_experts, up_shift)` running one persistent program per SM, for calls that passed `can_run`;
+    writes dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
 
-    config: the pairs' block_m x block_n tiles (block_m 128: one warpgroup of 4 MMA warps), block_k
-    steps, dh_num_stages (or num_stages) ring buffers, group_m; the loader and the epilogue take
-    4 warps each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
+    config: the pairs' block_m (128) x dh_block_n (or block_n) tiles, block_k steps, dh_num_stages
+    (or num_stages) ring buffers, group_m; one warpgroup of 4 MMA warps for up to 128 columns, two
+    (8 warps) for 256; the loader and the epilogue take config.dh_ws_warps warps at
+    config.dh_ws_registers registers a thread; dh_ws_tma_weights loads Wd's tiles by TMA."""
     stages = config.dh_num_stages or config.num_stages
-    if config.block_m != 128 or config.block_n % EPILOGUE_N or config.block_n > 256 or config.block_k > 256:
+    block_n = config.dh_block_n or config.block_n
+    if config.block_m != 128 or block_n % EPILOGUE_N or block_n > 256 or config.block_k > 256:
         raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 256, got "
-                         f"{config.block_m}x{config.block_n}x{config.block_k}")
-    ring_bytes = stages * (config.block_m + config.block_n) * config.block_k * 2
+                         f"{config.block_m}x{block_n}x{config.block_k}")
+    ring_bytes = stages * (config.block_m + block_n) * config.block_k * 2
     loader_registers, epilogue_registers = config.dh_ws_registers
+    loader_warps, epilogue_warps = config.dh_ws_warps
     fixed = dict(
-        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=stages, LAG=max(1, stages - 2),
-        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=loader_registers,
-        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * EPILOGUE_WARPS), EPILOGUE_N=EPILOGUE_N,
-        EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGISTERS=epilogue_registers,
-        HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES, num_warps=4,
+        LOADER_WARPS=loader_warps, LOADER_REGISTERS=loader_registers,
+        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * epilogue_warps), EPILOGUE_N=EPILOGUE_N,
+        EPILOGUE_WARPS=epilogue_warps, EPILOGUE_REGISTERS=epilogue_registers,
+        HANDOFF_FP32=ring_bytes + config.block_m * block_n * 4 <= SHARED_MEMORY_BYTES,
+        TMA_WEIGHTS=config.dh_ws_tma_weights, num_warps=4 if block_n <= 128 else 8,
     )
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
@@ -278,10 +294,19 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gat
         kernel = kernels.get(programs)
         if kernel is None:  # a constant NUM_PROGRAMS per device compiles once whatever the tile count
             kernel = kernels[programs] = FastLaunch(_experts_dh_ws_kernel, dict(fixed, NUM_PROGRAMS=programs))
+        k_out, inter = dout.shape[1], hw.shape[1]
+        layout = gl.NVMMASharedLayout.get_default_for([config.block_k, block_n], _GL_DTYPES[dout.dtype])
+        if config.dh_ws_tma_weights:
+            wd_desc = TensorDescriptor(down, [num_experts * k_out, inter], [down_strides[1], 1],
+                                       [config.block_k, block_n], layout)
+        else:  # not read: a descriptor of the right block type over dOut
+            wd_desc = TensorDescriptor(dout, [dout.shape[0], k_out], [dout.stride(0), 1], [config.block_k, block_n],
+                                       layout)
         kernel(programs, index, dout, sorted_pairs, block_expert, top_k_weights, down, preact, dpreact, hw, dw_part,
-               preact.shape[0], block_expert.shape[0], dout.shape[1], hw.shape[1], up_shift, num_experts,
+               wd_desc, preact.shape[0], block_expert.shape[0], k_out, inter, up_shift, num_experts,
                dout.stride(0), *top_k_weights.stride(), down_strides[0], down_strides[1], preact.stride(0),
                dpreact.stride(0), hw.stride(0), dw_part.stride(0))
 
     launch.constexprs = fixed  # what the kernel compiles with, less NUM_PROGRAMS (tests compile it without a GPU)
+    launch.block_n = block_n  # dw_part's columns are I / block_n
     return launch

@@ -27,7 +27,9 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
     """The kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K_out = 2048,
     I = 768 specializes it (16-byte-aligned pointers and sizes, unit inner strides), without a GPU."""
     from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
     t, top_k, e, k_out, i = 512, 8, 64, 2048, 768
@@ -40,10 +42,13 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
                    blocks_ptr=torch.empty(s // 128, dtype=torch.int32), rw_ptr=torch.empty(t, top_k, dtype=dtype),
                    d_ptr=torch.empty(e, k_out, i, dtype=dtype), p_ptr=torch.empty(s, 2 * i, dtype=dtype),
                    dp_ptr=torch.empty(s, 2 * i, dtype=dtype), hw_ptr=torch.empty(s, i, dtype=dtype),
-                   dw_ptr=torch.empty(s, i // config.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
+                   dw_ptr=torch.empty(s, i // launch.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
                    K_OUT=k_out, I=i, UP_SHIFT=i, NUM_EXPERTS=e, stride_dym=k_out, stride_rt=top_k, stride_rj=1,
                    stride_de=k_out * i, stride_dn=i, stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
-                   stride_dwm=i // config.block_n)
+                   stride_dwm=i // launch.block_n)
+    block = [config.block_k, launch.block_n]
+    runtime["wd_desc"] = TensorDescriptor.from_tensor(runtime["d_ptr"].view(e * k_out, i), block,
+                                                      gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
     num_warps = fixed.pop("num_warps")
     names = ws._experts_dh_ws_kernel.arg_names
     signature = {n: "constexpr" if n in fixed or n == "num_warps" else mangle_type(runtime[n]) for n in names}
@@ -57,7 +62,7 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields = json.loads(config_json)
-    fields["dh_ws_registers"] = tuple(fields["dh_ws_registers"])
+    fields.update({k: tuple(fields[k]) for k in ("dh_ws_registers", "dh_ws_warps") if k in fields})
     compiled, fixed = compile_for_hopper(ExpertsBackwardConfig(**fields), getattr(torch, dtype_name), epilogue)
     with open(cubin_out, "wb") as f:
         f.write(compiled.asm["cubin"])

@@ -46,7 +46,7 @@ def test_it_compiles_for_hopper_without_spills(config, dtype, epilogue, tmp_path
 
 def test_a_cpu_call_or_what_it_cannot_take_is_refused():
     dout, down = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(2, 64, 32, dtype=torch.bfloat16)
-    assert not ws.can_run(dout, down, (64 * 32, 32, 1), 32, False, False)  # on CPU
+    assert not ws.can_run(dout, down, (64 * 32, 32, 1), 32, False, False, CONFIGS[0])  # on CPU
     epilogue = dict(GatedEpilogue.of("silu").constexprs(), ALPHA=0.0, APPROX_TANH=False)
     for tiles in ((64, 128, 64), (128, 136, 64), (128, 512, 64)):
         config = dataclasses.replace(HOPPER_RULE.config, block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
