@@ -89,7 +89,7 @@ def _loader(dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready
                 _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None] & (offs_ak[None, :] < k_left))
                 if TMA_WEIGHTS:  # Wd as [E * K_out, I]: K_out % BLOCK_K == 0, so a box stays in its expert
                     mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
-                    _tma_load(wd_desc, [expert * K_OUT + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s),
+                    _tma_load(wd_desc, [expert.to(gl.int32) * K_OUT + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s),
                               b_ring.index(s))
                 else:
                     _cp_async(b_ring.index(s), b_ptrs + ki * BLOCK_K * stride_dn,

@@ -38,8 +38,8 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
                         else ExpertsEpilogue(GatedEpilogue(epilogue)))
     launch = ws.make_launcher(config, dict(experts_epilogue.constexprs(), APPROX_TANH=True), top_k, 1)
     fixed = dict(launch.constexprs, NUM_PROGRAMS=132)
-    runtime = dict(dy_ptr=torch.empty(t, k_out, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int32),
-                   blocks_ptr=torch.empty(s // 128, dtype=torch.int32), rw_ptr=torch.empty(t, top_k, dtype=dtype),
+    runtime = dict(dy_ptr=torch.empty(t, k_out, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int64),
+                   blocks_ptr=torch.empty(s // 128, dtype=torch.int64), rw_ptr=torch.empty(t, top_k, dtype=dtype),
                    d_ptr=torch.empty(e, k_out, i, dtype=dtype), p_ptr=torch.empty(s, 2 * i, dtype=dtype),
                    dp_ptr=torch.empty(s, 2 * i, dtype=dtype), hw_ptr=torch.empty(s, i, dtype=dtype),
                    dw_ptr=torch.empty(s, i // launch.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
