@@ -31,9 +31,7 @@ class ExpertsBackwardConfig:
         dh_warp_specialized: on Hopper, run dH as the warp-specialized kernel (`experts_dh_ws.py`:
             its epilogue beside the next tile's MMAs) where it can take the call; its ring has
             dh_num_stages (or num_stages) stages and its own shared memory (not the budget).
-        dh_ws_warps, dh_ws_registers: that kernel's (loader, epilogue) warps, and their registers a thread.
-        dh_block_n: that kernel's tile along I where it differs from block_n (None: block_n).
-        dh_ws_tma_weights: that kernel loads Wd's tiles by TMA (the gathered rows by cp.async).
+        dh_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
     block_m: int
@@ -51,10 +49,7 @@ class ExpertsBackwardConfig:
     wgrad_rows: int | None = None
     smem_budget_kib: int = 160
     dh_warp_specialized: bool = False
-    dh_ws_warps: tuple[int, int] = (4, 4)
     dh_ws_registers: tuple[int, int] = (96, 192)
-    dh_block_n: int | None = None
-    dh_ws_tma_weights: bool = False
 
     def __post_init__(self):
         rows = self.wgrad_rows
@@ -68,7 +63,7 @@ class ExpertsBackwardConfig:
         wg_s = ("" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}") + (
             "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
         if self.dh_warp_specialized:
-            dh_s += f" ws{'' if self.dh_block_n is None else f' n{self.dh_block_n}'}{' tma' if self.dh_ws_tma_weights else ''}"
+            dh_s += " ws"
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -8,22 +8,22 @@ weight's part <G, h> per column tile. The epilogue of one tile runs while the te
 on the next, as in the dense `gated_backward_ws.py`. Each persistent program (one per SM) holds
 three groups of warps that hand work on through shared memory and mbarriers:
 
-- the loader (LOADER_WARPS warps, 4 in the rule): per K step, the block's [BLOCK_M, BLOCK_K] rows of dOut
-  (gathered by token: Hopper's TMA has no row gather) and one [BLOCK_K, BLOCK_N] tile of Wd[e]
-  by cp.async into a ring of NUM_STAGES buffers. A step's copies are waited for LAG steps
-  later (cp.async groups), then fenced for the tensor cores and signalled;
+- the loader (LOADER_WARPS warps): per K step, the block's [BLOCK_M, BLOCK_K] rows of dOut by
+  cp.async (gathered by token: Hopper's TMA has no row gather) and one [BLOCK_K, BLOCK_N] box of
+  Wd[e] by TMA, into a ring of NUM_STAGES buffers. A step's rows are waited for LAG steps later
+  (cp.async groups), then fenced for the tensor cores and signalled;
 - the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
   accumulator [BLOCK_M, BLOCK_N], written when the tile is done into one shared handoff buffer
   (fp32 where it fits beside the ring, else in dOut's dtype);
-- the epilogue group (EPILOGUE_WARPS warps, 4 in the rule): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
+- the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
   slices, gathers P's rows by pair, and writes dP, hw and dw_part.
 
 Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
 groups alike. What it takes (`can_run`): 16-bit operands, no biases and no low-rank segment,
-Wd[e] with I contiguous ([E, K_out, I]: the non-transposed layout) and dOut with K_out
-contiguous, K_out, I and the strides multiples of 16, 16-byte-aligned base pointers (every real
-model's experts); the rest runs the one-program-per-tile kernel. Gluon kernels run on the GPU only (no interpreter), and wgmma on
-Hopper only. Written against Triton 3.6's Gluon; the names that changed by 3.9 are aliased.
+Wd in the [E, K_out, I] layout with its experts one after the other, K_out a multiple of
+block_k, I and the strides multiples of 16, 16-byte-aligned base pointers (every real model's
+contiguous experts); the rest runs the one-program-per-tile kernel. Gluon kernels run on the GPU
+only (no interpreter), and wgmma on Hopper only. Written against Triton 3.6's Gluon; the names that changed by 3.9 are aliased.
 """
 
 from __future__ import annotations
@@ -50,25 +50,25 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+LOADER_WARPS = 4
+EPILOGUE_WARPS = 4
 EPILOGUE_N = 16  # columns per epilogue slice: 16-byte loads and stores of P, dP and hw
 
 
 @gluon.jit
-def _loader(dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-            NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
+def _loader(dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+            NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym,
             TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
             GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
-            LOADER_WARPS: gl.constexpr, TMA_WEIGHTS: gl.constexpr):
-    """cp.async of dOut's gathered rows and of Wd[e]'s tile into the ring; a stage is signalled
-    ready LAG steps after its copies were issued, once they have landed."""
+            LOADER_WARPS: gl.constexpr):
+    """Per K step, dOut's gathered rows by cp.async and Wd[e]'s tile by TMA into the ring. A stage
+    is ready when its TMA bytes have landed (its expect) and, LAG steps after they were issued,
+    its rows (one arrive): its barrier counts 2."""
     a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
-    b_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [LOADER_WARPS, 1], [1, 0])
     tiles_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(K_OUT, BLOCK_K)
     offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
     offs_ak = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
-    offs_bk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, b_layout))
-    offs_bn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, b_layout))
     step = 0
     for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
         pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
@@ -78,24 +78,16 @@ def _loader(dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready
             mask_m = pairs < NUM_PAIRS
             tokens = pairs.to(gl.int64) // TOP_K
             a_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_ak[None, :]  # [BLOCK_M, BLOCK_K]
-            cols = pid_n * BLOCK_N + offs_bn
-            b_ptrs = (d_ptr + expert.to(gl.int64) * stride_de + offs_bk[:, None].to(gl.int64) * stride_dn
-                      + cols[None, :])  # [BLOCK_K, BLOCK_N]
-            mask_n = cols < I
+            first_row = expert.to(gl.int32) * K_OUT  # of Wd[e] in Wd seen as [E * K_out, I]
             for ki in range(k_tiles):
                 s = step % NUM_STAGES
                 mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
-                k_left = K_OUT - ki * BLOCK_K
-                _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None] & (offs_ak[None, :] < k_left))
-                if TMA_WEIGHTS:  # Wd as [E * K_out, I]: K_out % BLOCK_K == 0, so a box stays in its expert
-                    mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
-                    _tma_load(wd_desc, [expert.to(gl.int32) * K_OUT + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s),
-                              b_ring.index(s))
-                else:
-                    _cp_async(b_ring.index(s), b_ptrs + ki * BLOCK_K * stride_dn,
-                              mask=(offs_bk[:, None] < k_left) & mask_n[None, :])
+                # K_out % BLOCK_K == 0 (`can_run`): a box of Wd stays inside its expert, no K mask
+                mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
+                _tma_load(wd_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
+                _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
                 async_copy.commit_group()
-                # the copies issued LAG steps ago have landed: that stage is ready for the tensor cores
+                # the rows issued LAG steps ago have landed: that stage's second arrive
                 async_copy.wait_group(LAG)
                 if step >= LAG:
                     fence_async_shared()
@@ -196,22 +188,21 @@ def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_pt
 
 @gluon.jit
 def _experts_dh_ws_kernel(
-    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, d_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr, wd_desc,
+    dy_ptr, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr, wd_desc,
     NUM_PAIRS, NUM_BLOCKS, K_OUT, I, UP_SHIFT, NUM_EXPERTS,
-    stride_dym, stride_rt, stride_rj, stride_de, stride_dn, stride_pm, stride_dpm, stride_hm, stride_dwm,
+    stride_dym, stride_rt, stride_rj, stride_pm, stride_dpm, stride_hm, stride_dwm,
     TOP_K: gl.constexpr, GATE_STEP: gl.constexpr, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
     GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, LOADER_WARPS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_N: gl.constexpr,
     EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGISTERS: gl.constexpr, HANDOFF_FP32: gl.constexpr,
-    TMA_WEIGHTS: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_K, BLOCK_N], wd_desc.layout)
     handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dtype
     handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_M, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], handoff_dtype))
@@ -220,7 +211,7 @@ def _experts_dh_ws_kernel(
     handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=2 if TMA_WEIGHTS else 1)  # with TMA: its expect, and the rows' arrive
+        mbarrier.init(ready.index(s), count=2)  # Wd's expect, and the rows' arrive
         mbarrier.init(empty.index(s), count=1)
     mbarrier.init(handoff_ready, count=1)
     mbarrier.init(handoff_free, count=1)
@@ -228,10 +219,9 @@ def _experts_dh_ws_kernel(
     gl.warp_specialize([
         (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
                 NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-        (_loader, (dy_ptr, d_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-                   NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, stride_de, stride_dn,
-                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
-                   TMA_WEIGHTS)),
+        (_loader, (dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+                   NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym,
+                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
         (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
                      NUM_PAIRS, NUM_BLOCKS, I, UP_SHIFT, NUM_EXPERTS, stride_rt, stride_rj, stride_pm, stride_dpm,
                      stride_hm, stride_dwm, TOP_K, GATE_STEP, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
@@ -242,49 +232,46 @@ def _experts_dh_ws_kernel(
 def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int, int], inter: int,
             has_bias: bool, low_rank: bool, config: ExpertsBackwardConfig) -> bool:
     """A 16-bit call on a Hopper GPU, outside the interpreter, without biases or a low-rank
-    segment, with Wd[e]'s I axis and dOut's K_out axis contiguous, and K_out, I, the row strides
-    and base pointers multiples of 16 (elements; bytes for pointers): what Triton's specialization
-    needs to prove every 8-element cp.async copy (and its mask) whole and 16-byte aligned. With
-    config.dh_ws_tma_weights, also Wd seen as [E * K_out, I] (experts one after the other) and
-    K_out a multiple of block_k (a box never crosses into the next expert)."""
+    segment; dOut's rows (K_out contiguous) and Wd seen as [E * K_out, I] (I contiguous, experts
+    one after the other) with K_out a multiple of block_k (a TMA box of Wd never reaches into the
+    next expert), I, the row strides and base pointers multiples of 16 (elements; bytes for
+    pointers): what TMA needs, and what Triton's specialization needs to prove every 8-element
+    cp.async copy of a row whole and 16-byte aligned."""
     stride_de, stride_dn, stride_di = down_strides
     k_out = dout.shape[1]
     return (dout.is_cuda and not interpreting() and dout.dtype in (torch.bfloat16, torch.float16)
             and down.dtype == dout.dtype and not has_bias and not low_rank
             and capability(dout.device.index or 0)[0] == 9
-            and stride_di == 1 and dout.stride(1) == 1
-            and all(n % 16 == 0 for n in (k_out, inter, stride_dn, dout.stride(0), stride_de))
-            and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0
-            and (not config.dh_ws_tma_weights or (stride_de == k_out * stride_dn and k_out % config.block_k == 0)))
+            and stride_di == 1 and dout.stride(1) == 1 and stride_de == k_out * stride_dn
+            and k_out % config.block_k == 0
+            and all(n % 16 == 0 for n in (k_out, inter, stride_dn, dout.stride(0)))
+            and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
 
 
 def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gate_step: int):
     """A launcher `(dout [T, K_out], sorted_pairs, block_expert, top_k_weights [T, TOP_K], down,
-    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / launch.block_n] fp32,
-    num_experts, up_shift)` running one persistent program per SM, for calls that passed `can_run`;
-    writes dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
+    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / block_n] fp32, num_experts,
+    up_shift)` running one persistent program per SM, for calls that passed `can_run`; writes
+    dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
 
-    config: the pairs' block_m (128) x dh_block_n (or block_n) tiles, block_k steps, dh_num_stages
-    (or num_stages) ring buffers, group_m; one warpgroup of 4 MMA warps for up to 128 columns, two
-    (8 warps) for 256; the loader and the epilogue take config.dh_ws_warps warps at
-    config.dh_ws_registers registers a thread; dh_ws_tma_weights loads Wd's tiles by TMA."""
+    config: the pairs' block_m (128) x block_n (up to 128: one warpgroup of 4 MMA warps) tiles,
+    block_k steps, dh_num_stages (or num_stages) ring buffers, group_m; the loader and the epilogue
+    take 4 warps each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
     stages = config.dh_num_stages or config.num_stages
-    block_n = config.dh_block_n or config.block_n
-    if config.block_m != 128 or block_n % EPILOGUE_N or block_n > 256 or config.block_k > 256:
-        raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 256, got "
-                         f"{config.block_m}x{block_n}x{config.block_k}")
-    ring_bytes = stages * (config.block_m + block_n) * config.block_k * 2
+    if config.block_m != 128 or config.block_n % EPILOGUE_N or config.block_n > 128 or config.block_k > 256:
+        raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 128, got "
+                         f"{config.block_m}x{config.block_n}x{config.block_k}")
+    ring_bytes = stages * (config.block_m + config.block_n) * config.block_k * 2
     loader_registers, epilogue_registers = config.dh_ws_registers
-    loader_warps, epilogue_warps = config.dh_ws_warps
     fixed = dict(
-        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=block_n,
+        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=stages, LAG=max(1, stages - 2),
-        LOADER_WARPS=loader_warps, LOADER_REGISTERS=loader_registers,
-        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * epilogue_warps), EPILOGUE_N=EPILOGUE_N,
-        EPILOGUE_WARPS=epilogue_warps, EPILOGUE_REGISTERS=epilogue_registers,
-        HANDOFF_FP32=ring_bytes + config.block_m * block_n * 4 <= SHARED_MEMORY_BYTES,
-        TMA_WEIGHTS=config.dh_ws_tma_weights, num_warps=4 if block_n <= 128 else 8,
+        LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=loader_registers,
+        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * EPILOGUE_WARPS), EPILOGUE_N=EPILOGUE_N,
+        EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGISTERS=epilogue_registers,
+        HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES, num_warps=4,
     )
+    wd_block = [config.block_k, config.block_n]
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
     def launch(dout, sorted_pairs, block_expert, top_k_weights, down, down_strides, preact, dpreact, hw, dw_part,
@@ -295,18 +282,12 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gat
         if kernel is None:  # a constant NUM_PROGRAMS per device compiles once whatever the tile count
             kernel = kernels[programs] = FastLaunch(_experts_dh_ws_kernel, dict(fixed, NUM_PROGRAMS=programs))
         k_out, inter = dout.shape[1], hw.shape[1]
-        layout = gl.NVMMASharedLayout.get_default_for([config.block_k, block_n], _GL_DTYPES[dout.dtype])
-        if config.dh_ws_tma_weights:
-            wd_desc = TensorDescriptor(down, [num_experts * k_out, inter], [down_strides[1], 1],
-                                       [config.block_k, block_n], layout)
-        else:  # not read: a descriptor of the right block type over dOut
-            wd_desc = TensorDescriptor(dout, [dout.shape[0], k_out], [dout.stride(0), 1], [config.block_k, block_n],
-                                       layout)
-        kernel(programs, index, dout, sorted_pairs, block_expert, top_k_weights, down, preact, dpreact, hw, dw_part,
+        wd_desc = TensorDescriptor(down, [num_experts * k_out, inter], [down_strides[1], 1], wd_block,
+                                   gl.NVMMASharedLayout.get_default_for(wd_block, _GL_DTYPES[dout.dtype]))
+        kernel(programs, index, dout, sorted_pairs, block_expert, top_k_weights, preact, dpreact, hw, dw_part,
                wd_desc, preact.shape[0], block_expert.shape[0], k_out, inter, up_shift, num_experts,
-               dout.stride(0), *top_k_weights.stride(), down_strides[0], down_strides[1], preact.stride(0),
-               dpreact.stride(0), hw.stride(0), dw_part.stride(0))
+               dout.stride(0), *top_k_weights.stride(), preact.stride(0), dpreact.stride(0), hw.stride(0),
+               dw_part.stride(0))
 
     launch.constexprs = fixed  # what the kernel compiles with, less NUM_PROGRAMS (tests compile it without a GPU)
-    launch.block_n = block_n  # dw_part's columns are I / block_n
     return launch

@@ -40,14 +40,14 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
     fixed = dict(launch.constexprs, NUM_PROGRAMS=132)
     runtime = dict(dy_ptr=torch.empty(t, k_out, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int64),
                    blocks_ptr=torch.empty(s // 128, dtype=torch.int64), rw_ptr=torch.empty(t, top_k, dtype=dtype),
-                   d_ptr=torch.empty(e, k_out, i, dtype=dtype), p_ptr=torch.empty(s, 2 * i, dtype=dtype),
+                   p_ptr=torch.empty(s, 2 * i, dtype=dtype),
                    dp_ptr=torch.empty(s, 2 * i, dtype=dtype), hw_ptr=torch.empty(s, i, dtype=dtype),
-                   dw_ptr=torch.empty(s, i // launch.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
+                   dw_ptr=torch.empty(s, i // config.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
                    K_OUT=k_out, I=i, UP_SHIFT=i, NUM_EXPERTS=e, stride_dym=k_out, stride_rt=top_k, stride_rj=1,
-                   stride_de=k_out * i, stride_dn=i, stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
-                   stride_dwm=i // launch.block_n)
-    block = [config.block_k, launch.block_n]
-    runtime["wd_desc"] = TensorDescriptor.from_tensor(runtime["d_ptr"].view(e * k_out, i), block,
+                   stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
+                   stride_dwm=i // config.block_n)
+    block = [config.block_k, config.block_n]
+    runtime["wd_desc"] = TensorDescriptor.from_tensor(torch.empty(e * k_out, i, dtype=dtype), block,
                                                       gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
     num_warps = fixed.pop("num_warps")
     names = ws._experts_dh_ws_kernel.arg_names
@@ -62,7 +62,7 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields = json.loads(config_json)
-    fields.update({k: tuple(fields[k]) for k in ("dh_ws_registers", "dh_ws_warps") if k in fields})
+    fields["dh_ws_registers"] = tuple(fields["dh_ws_registers"])
     compiled, fixed = compile_for_hopper(ExpertsBackwardConfig(**fields), getattr(torch, dtype_name), epilogue)
     with open(cubin_out, "wb") as f:
         f.write(compiled.asm["cubin"])
