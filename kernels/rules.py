@@ -223,7 +223,8 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 MOE = ("h100/moe/sweep.json",)
 MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json", "h100/moe_train/backward_tiles/candidates/results.json",
                 "h100/moe_train/backward_tiles/rows/results.json")
-MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json",)
+MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json", "h100/moe_train/dh_ws_variants/results.json",
+                      "h100/moe_train/dh_ws_final/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
@@ -250,7 +251,7 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
              "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x (dH), 0.77x (dWd) and 0.80x "
              "(dWgu) the time of the tiles below at Qwen3-30B-A3B T = 16384; the weight-gradient kernels 0.86-0.92x "
              "those of 128x256 tiles over whole blocks on OLMoE; dH warp-specialized where it can take the call "
-             "(0.89-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384)"),
+             "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384)"),
     Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
          m=(513, None), why="training batches on other GPUs: 128-row blocks, a 128x64 dH tile, 128x128 dX and "
                             "weight-gradient tiles, within 160 KiB of shared memory; not timed on them (on the H100: "
