@@ -94,8 +94,8 @@ def _experts_dh_kernel(
             acc = tl.dot(dy, wd, acc, input_precision=INPUT_PRECISION)
             dy_ptrs += BLOCK_K * stride_dyk
             d_ptrs += BLOCK_K * stride_dn
-        # -- <dOut[t], bd[e]> for dw, in column tile 0 only, by a loop of its own: inside the main loop (dOut's
-        # tile read by the dot and by this sum) Hopper's pipelined build corrupted G at 4 stages --
+        # -- <dOut[t], bd[e]> for dw, in column tile 0 only, by a loop of its own: summed inside the main loop, from
+        # the tile the dot reads, Triton 3.6's 4-stage Hopper build computes G wrong (docs/history.md) --
         bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if HAS_BIAS:
             if pid_n == 0:
