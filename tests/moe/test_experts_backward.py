@@ -428,3 +428,18 @@ def test_the_warp_specialized_dh_kernel_leaves_what_it_cannot_take_to_the_other(
         _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16, kernel="experts_backward_grouped",
                config=WS_CONFIG)
     assert ran == [False] * 4
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the Hopper rule's tiles run on Hopper GPUs")
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+def test_gpt_oss_experts_on_the_hopper_rule(store):
+    """gpt-oss's experts (transposed, interleaved, biased, its clamped SwiGLU) at T = 1024 in bf16, where the planner
+    takes the Hopper rule: the case a bias sum inside the dH kernel's main loop got wrong, x's and gate_up's
+    gradients 34-54% off float64 (docs/history.md, `experts_bias_dh`)."""
+    layout = LAYOUTS[1]
+    w = _weights(8, 256, 128, layout, True, torch.bfloat16)
+    x = torch.randn(1024, 256).to(DEVICE, torch.bfloat16)
+    index, weights = _routing(1024, 8, 4)
+    assert dispatch.choose(torch.cuda.get_device_name(), torch.bfloat16, 1024, 256, 128,
+                           op="experts_backward")[1].gpus  # the Hopper rule
+    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.bfloat16, store)
