@@ -31,8 +31,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
-                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .device import capability, interpreting, num_sms
@@ -40,16 +39,11 @@ from .experts_backward_config import ExpertsBackwardConfig
 from .experts_jit import experts_epilogue_grad
 from .jit_common import tile_pid
 from .launcher import FastLaunch
+from .ws_jit import SHARED_MEMORY_BYTES, mma_tile_to_handoff, partition_barrier, tma_load
 
-# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
-_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
 _cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
-# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
-SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
 EPILOGUE_N = 16  # columns per epilogue slice: 16-byte loads and stores of P, dP and hw
@@ -84,19 +78,19 @@ def _loader(dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty
                 mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
                 # K_out % BLOCK_K == 0 (`can_run`): a box of Wd stays inside its expert, no K mask
                 mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
-                _tma_load(wd_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
+                tma_load(wd_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
                 _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
                 async_copy.commit_group()
                 # the rows issued LAG steps ago have landed: that stage's second arrive
                 async_copy.wait_group(LAG)
                 if step >= LAG:
                     fence_async_shared()
-                    _partition_barrier()
+                    partition_barrier()
                     mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
                 step += 1
     async_copy.wait_group(0)
     fence_async_shared()
-    _partition_barrier()
+    partition_barrier()
     for done in range(max(step - LAG, 0), step):
         mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
 
@@ -106,32 +100,16 @@ def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blo
          NUM_EXPERTS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
          NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
     """G tiles by wgmma over the ring, each written to the handoff buffer when done."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
     tiles_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(K_OUT, BLOCK_K)
     step = 0
     tiles_done = 0
     for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
         pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        expert = gl.load(blocks_ptr + pid_m)
-        if expert < NUM_EXPERTS:
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-            for ki in range(k_tiles):
-                s = step % NUM_STAGES
-                mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
-                acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                # the MMA of the step before has retired: its stage is free
-                mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
-                step += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
-            mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
-            handoff.store(acc.to(handoff.dtype))
-            _partition_barrier()
-            mbarrier.arrive(handoff_ready, count=1)
-            tiles_done += 1
+        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
+            step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready,
+                                                   handoff_free, k_tiles, step, tiles_done, BLOCK_M, BLOCK_N,
+                                                   NUM_STAGES, MMA_WARPS)
 
 
 @gluon.jit
@@ -181,7 +159,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_pt
                              (h * weight[:, None]).to(hw_ptr.dtype.element_ty), mask=mask)
                     part += gl.sum(gl.where(mask, g * h, 0.0), 1)
                 gl.store(dw_ptr + rows * stride_dwm + pid_n, part, mask=mask_m)
-            _partition_barrier()
+            partition_barrier()
             mbarrier.arrive(handoff_free, count=1)
             tiles_done += 1
 

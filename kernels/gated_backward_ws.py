@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .configs import TMA_DTYPES, GatedGemmConfig, KernelCapability
@@ -51,15 +51,9 @@ from .device import capability, interpreting, num_sms, tma_operands_ok
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
+from .ws_jit import SHARED_MEMORY_BYTES, mma_tile_to_handoff, partition_barrier, tma_load
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
-_partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
-_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-# Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers: the handoff buffer is fp32
-# where it fits beside the ring, else in dY's dtype (dH rounded once more, as the split kernel's).
-SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
 
 @gluon.jit
@@ -77,8 +71,8 @@ def _loader(dy_desc, wd_desc, a_ring, b_ring, ready, empty, M, I, K,
             s = step % NUM_STAGES
             mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), dy_desc.block_type.nbytes + wd_desc.block_type.nbytes)
-            _tma_load(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s), a_ring.index(s))
-            _tma_load(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s), b_ring.index(s))
+            tma_load(dy_desc, [pid_m * BLOCK_SIZE_M, ki * BLOCK_SIZE_K], ready.index(s), a_ring.index(s))
+            tma_load(wd_desc, [ki * BLOCK_SIZE_K, pid_n * BLOCK_SIZE_N], ready.index(s), b_ring.index(s))
             step += 1
 
 
@@ -87,29 +81,14 @@ def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, 
          BLOCK_SIZE_M: gl.constexpr, BLOCK_SIZE_N: gl.constexpr, BLOCK_SIZE_K: gl.constexpr,
          NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
     """dH tiles by wgmma over the ring, each written to the handoff buffer when done."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_SIZE_N, 16])
     num_tiles = gl.cdiv(M, BLOCK_SIZE_M) * gl.cdiv(I, BLOCK_SIZE_N)
     k_tiles = gl.cdiv(K, BLOCK_SIZE_K)
     step = 0
     tiles_done = 0
     for tile_id in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
-        acc = gl.zeros([BLOCK_SIZE_M, BLOCK_SIZE_N], gl.float32, acc_layout)
-        for ki in range(k_tiles):
-            s = step % NUM_STAGES
-            mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
-            acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the MMA of the step before has retired: its stage is free
-            mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
-        mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
-        handoff.store(acc.to(handoff.dtype))
-        _partition_barrier()
-        mbarrier.arrive(handoff_ready, count=1)
-        tiles_done += 1
+        step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free,
+                                               k_tiles, step, tiles_done, BLOCK_SIZE_M, BLOCK_SIZE_N, NUM_STAGES,
+                                               MMA_WARPS)
 
 
 @gluon.jit
@@ -157,7 +136,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, p_ptr, dp_ptr, h_ptr, dh_ptr
                          mask=mask)
                 gl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :] * stride_hi, h.to(h_ptr.dtype.element_ty),
                          mask=mask)
-        _partition_barrier()
+        partition_barrier()
         mbarrier.arrive(handoff_free, count=1)
         tiles_done += 1
 

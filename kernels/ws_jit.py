@@ -1,0 +1,50 @@
+"""Gluon helpers the warp-specialized Hopper kernels share (`gated_backward_ws.py`, `experts_dh_ws.py`).
+
+- `partition_barrier`, `tma_load`: names that changed between Triton 3.6 and 3.9, aliased;
+- `SHARED_MEMORY_BYTES`: Hopper's shared memory per block less the mbarriers';
+- `mma_tile_to_handoff`: the MMA partition's work for one tile: wgmma over the operand ring into
+  an fp32 accumulator, each stage released as soon as its MMA retires, then the accumulator
+  written into the shared handoff buffer once the epilogue partition has freed it.
+Nothing here launches anything.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+# A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
+partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+# A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
+tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+
+
+@gluon.jit
+def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, k_tiles, step, tiles_done,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        MMA_WARPS: gl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile: sum over k_tiles ring stages (from the running `step`) of
+    a_ring[s] @ b_ring[s] by wgmma in fp32, then into `handoff` (in its dtype) when the epilogue
+    has freed it (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. Returns
+    (step, tiles_done) after the tile."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+    for ki in range(k_tiles):
+        s = step % NUM_STAGES
+        mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        # the MMA of the step before has retired: its stage is free
+        mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
+    mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
+    handoff.store(acc.to(handoff.dtype))
+    partition_barrier()
+    mbarrier.arrive(handoff_ready, count=1)
+    return step, tiles_done + 1
