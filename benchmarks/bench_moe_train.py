@@ -93,7 +93,7 @@ def flops(shape: MoEShape, tokens: int) -> float:
 
 
 SWEEP_NAMES = ("rule", "untuned", "first_hopper", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
-               "wg_r32_s4", "dh_ws")
+               "wg_r32_s4")
 
 
 def sweep_configs() -> dict:
@@ -101,8 +101,8 @@ def sweep_configs() -> dict:
     the planner's 128-row rule for GPUs it has no tuned rule for ("untuned"), the first Hopper rule
     ("first_hopper": 128x256 weight-gradient tiles at 2 stages over whole blocks) and that rule with one
     choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps, the rows the
-    weight-gradient kernels reduce per step and their stages; "wg128_r64_s3" is the Hopper rule's tiles, and "dh_ws"
-    those tiles with the warp-specialized dH kernel, `experts_dh_ws.py`: the Hopper rule now)."""
+    weight-gradient kernels reduce per step and their stages; "wg128_r64_s3" is the Hopper rule's tiles with the
+    one-program-per-tile dH kernel where the rule runs `experts_dh_ws.py`)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
@@ -121,7 +121,6 @@ def sweep_configs() -> dict:
         "wg_r64_s3": replace(hopper, wgrad_rows=64, wgrad_num_stages=3),
         "wg128_r64_s3": replace(hopper, wgrad_block_b=128, wgrad_rows=64, wgrad_num_stages=3),
         "wg_r32_s4": replace(hopper, wgrad_rows=32, wgrad_num_stages=4),
-        "dh_ws": replace(hopper, wgrad_block_b=128, wgrad_rows=64, wgrad_num_stages=3, dh_warp_specialized=True),
     }
 
 
