@@ -93,7 +93,7 @@ def flops(shape: MoEShape, tokens: int) -> float:
 
 
 SWEEP_NAMES = ("rule", "untuned", "first_hopper", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
-               "wg_r32_s4")
+               "wg_r32_s4", "wg_ws", "wg_ws_s4", "wg_ws_r128_s2", "wg_ws_r32_s6")
 
 
 def sweep_configs() -> dict:
@@ -102,11 +102,15 @@ def sweep_configs() -> dict:
     ("first_hopper": 128x256 weight-gradient tiles at 2 stages over whole blocks) and that rule with one
     choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps, the rows the
     weight-gradient kernels reduce per step and their stages; "wg128_r64_s3" is the Hopper rule's tiles with the
-    one-program-per-tile dH kernel where the rule runs `experts_dh_ws.py`)."""
+    one-program-per-tile dH kernel where the rule runs `experts_dh_ws.py`); and the Hopper rule with the weight
+    gradients run by `experts_wgrad_ws.py` ("wg_ws"), at 4 stages, at 128 rows a step over 2 stages and at 32 rows
+    over 6."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
+    from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
+    rule = next(r.config for r in EXPERTS_BACKWARD_RULES if r.gpus)
     hopper = C(128, 128, 64, 128, 64, 128, 256, num_warps=8, num_stages=3, dh_num_stages=4, wgrad_num_stages=2,
                smem_budget_kib=224)
     return {
@@ -121,6 +125,10 @@ def sweep_configs() -> dict:
         "wg_r64_s3": replace(hopper, wgrad_rows=64, wgrad_num_stages=3),
         "wg128_r64_s3": replace(hopper, wgrad_block_b=128, wgrad_rows=64, wgrad_num_stages=3),
         "wg_r32_s4": replace(hopper, wgrad_rows=32, wgrad_num_stages=4),
+        "wg_ws": (wg_ws := replace(rule, wgrad_warp_specialized=True)),
+        "wg_ws_s4": replace(wg_ws, wgrad_num_stages=4),
+        "wg_ws_r128_s2": replace(wg_ws, wgrad_rows=128, wgrad_num_stages=2),
+        "wg_ws_r32_s6": replace(wg_ws, wgrad_rows=32, wgrad_num_stages=6),
     }
 
 

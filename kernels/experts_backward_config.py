@@ -32,6 +32,11 @@ class ExpertsBackwardConfig:
             its epilogue beside the next tile's MMAs) where it can take the call; its ring has
             dh_num_stages (or num_stages) stages and its own shared memory (not the budget).
         dh_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
+        wgrad_warp_specialized: on Hopper, run the two weight gradients as the persistent
+            warp-specialized kernel (`experts_wgrad_ws.py`: the next tile's loads and MMAs beside a
+            tile's store) where it can take the call; its ring has wgrad_num_stages (or
+            num_stages) stages of wgrad_rows (or block_m) rows and its own shared memory.
+        wgrad_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
     block_m: int
@@ -50,6 +55,8 @@ class ExpertsBackwardConfig:
     smem_budget_kib: int = 160
     dh_warp_specialized: bool = False
     dh_ws_registers: tuple[int, int] = (96, 192)
+    wgrad_warp_specialized: bool = False
+    wgrad_ws_registers: tuple[int, int] = (96, 96)
 
     def __post_init__(self):
         rows = self.wgrad_rows
@@ -64,6 +71,8 @@ class ExpertsBackwardConfig:
             "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
         if self.dh_warp_specialized:
             dh_s += " ws"
+        if self.wgrad_warp_specialized:
+            wg_s += " ws"
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -23,7 +23,9 @@ kernel, `experts_gemm._experts_gated_gemm_kernel` with STORE_PREACT), on the blo
   gathered by pair or by token, fp32, rounded once; bias = sum over rows of A (times w_p if
   asked). dWd[e] = dOut^T @ hw with dbd[e] = sum w_p dOut[t]; dWgu[e] = dP^T @ x with
   dbgu[e] = sum dP. Written through the weight's own strides (any layout); an expert with no
-  pairs gets zeros.
+  pairs gets zeros. A config with wgrad_warp_specialized runs both as `experts_wgrad_ws.py`
+  (Gluon, Hopper: persistent, the next tile's loads and MMAs beside a tile's store) where that
+  kernel can take the call (its `can_run`: no bias).
 - `_experts_dx_kernel`, per (block, K tile): dx_pair[p] = dP[p] @ Wgu[e] [S, K], then the
   forward's fixed-order combine (`experts_gemm._experts_combine_kernel`): dx[t] = sum_j
   dx_pair[t * TOP_K + j], skipping slots of expert-parallel sentinels (ids >= E), which get
@@ -43,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import experts_dh_ws
+from . import experts_dh_ws, experts_wgrad_ws
 from .configs import KernelCapability, ceil_div
 from .experts_backward_config import ExpertsBackwardConfig
 from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
@@ -315,6 +317,9 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     dwd = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=True, B_BY_TOKEN=False, BIAS_WEIGHTED=True)
     dwgu = wgrad_variants(ba, bb, TOP_K=top_k, HAS_BIAS=has_bias, A_BY_TOKEN=False, B_BY_TOKEN=True,
                           BIAS_WEIGHTED=False)
+    dwd_ws, dwgu_ws = ((experts_wgrad_ws.make_launcher(config, top_k, True, False),
+                        experts_wgrad_ws.make_launcher(config, top_k, False, True))
+                       if config.wgrad_warp_specialized else (None, None))
     dxn, dxk = config.dx_block_n, config.dx_block_k
     dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
@@ -396,10 +401,14 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             ddown = torch.empty_like(down, memory_format=torch.contiguous_format)
             ddown_bias = x.new_empty((num_experts, k_out)) if has_bias else None
             db = ddown if ddown_bias is None else ddown_bias
-            dwd[precision](num_experts * tiles_of(dwd[precision], k_out, inter), device,
-                           dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
-                           num_pairs, k_out, inter, *dout.stride(), *hw.stride(), *top_k_weights.stride(),
-                           *_down_strides(ddown, layout), db.stride(0), db.stride(1))
+            out_strides = _down_strides(ddown, layout)
+            if dwd_ws is not None and experts_wgrad_ws.can_run(dout, hw, ddown, out_strides, has_bias):
+                dwd_ws(dout, hw, sorted_pairs, starts, ends, ddown, out_strides, num_pairs, num_experts)
+            else:
+                dwd[precision](num_experts * tiles_of(dwd[precision], k_out, inter), device,
+                               dout, hw, sorted_pairs, starts, ends, top_k_weights, ddown, db,
+                               num_pairs, k_out, inter, *dout.stride(), *hw.stride(), *top_k_weights.stride(),
+                               *out_strides, db.stride(0), db.stride(1))
         if lr_d and need_ad:
             grads_lr[2] = lr_grad(d_a_d, dout_lr, hw, x.new_empty(a_d.shape))
         if lr_d and need_bd:
@@ -410,10 +419,14 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
             dgate_up_bias = x.new_empty((num_experts, 2 * inter)) if has_bias else None
             db = dgate_up if dgate_up_bias is None else dgate_up_bias
-            dwgu[precision](num_experts * tiles_of(dwgu[precision], 2 * inter, k), device,
-                            dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
-                            num_pairs, 2 * inter, k, *dpre.stride(), *x.stride(), *top_k_weights.stride(),
-                            *_gate_up_strides(dgate_up, layout), db.stride(0), db.stride(1))
+            out_strides = _gate_up_strides(dgate_up, layout)
+            if dwgu_ws is not None and experts_wgrad_ws.can_run(dpre, x, dgate_up, out_strides, has_bias):
+                dwgu_ws(dpre, x, sorted_pairs, starts, ends, dgate_up, out_strides, num_pairs, num_experts)
+            else:
+                dwgu[precision](num_experts * tiles_of(dwgu[precision], 2 * inter, k), device,
+                                dpre, x, sorted_pairs, starts, ends, top_k_weights, dgate_up, db,
+                                num_pairs, 2 * inter, k, *dpre.stride(), *x.stride(), *top_k_weights.stride(),
+                                *out_strides, db.stride(0), db.stride(1))
         dp_lr = None
         if lr_gu and (need_x or need_agu):  # dP_lr[p] = s dP[p] @ B[e]
             dp_lr = x.new_zeros((num_pairs, b_gu.shape[2]))

@@ -39,10 +39,8 @@ from .experts_backward_config import ExpertsBackwardConfig
 from .experts_jit import experts_epilogue_grad
 from .jit_common import tile_pid
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, mma_tile_to_handoff, partition_barrier, tma_load
+from .ws_jit import SHARED_MEMORY_BYTES, cp_async, mma_tile_to_handoff, partition_barrier, tma_load
 
-# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
-_cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
@@ -79,7 +77,7 @@ def _loader(dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty
                 # K_out % BLOCK_K == 0 (`can_run`): a box of Wd stays inside its expert, no K mask
                 mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
                 tma_load(wd_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
-                _cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
+                cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
                 async_copy.commit_group()
                 # the rows issued LAG steps ago have landed: that stage's second arrive
                 async_copy.wait_group(LAG)

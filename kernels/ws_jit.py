@@ -1,6 +1,7 @@
-"""Gluon helpers the warp-specialized Hopper kernels share (`gated_backward_ws.py`, `experts_dh_ws.py`).
+"""Gluon helpers the warp-specialized Hopper kernels share (`gated_backward_ws.py`, `experts_dh_ws.py`,
+`experts_wgrad_ws.py`).
 
-- `partition_barrier`, `tma_load`: names that changed between Triton 3.6 and 3.9, aliased;
+- `partition_barrier`, `tma_load`, `cp_async`: names that changed between Triton 3.6 and 3.9, aliased;
 - `SHARED_MEMORY_BYTES`: Hopper's shared memory per block less the mbarriers';
 - `mma_tile_to_handoff`: the MMA partition's work for one tile: wgmma over the operand ring into
   an fp32 accumulator, each stage released as soon as its MMA retires, then the accumulator
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 # A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
 partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # A TMA box into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# cp.async into shared memory: `async_copy_global_to_shared` in Triton 3.6, `async_load` in 3.9.
+cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 
@@ -25,24 +29,28 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 @gluon.jit
 def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, k_tiles, step, tiles_done,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        MMA_WARPS: gl.constexpr):
-    """One [BLOCK_M, BLOCK_N] tile: sum over k_tiles ring stages (from the running `step`) of
-    a_ring[s] @ b_ring[s] by wgmma in fp32, then into `handoff` (in its dtype) when the epilogue
-    has freed it (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. Returns
-    (step, tiles_done) after the tile."""
+                        MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False):
+    """One [BLOCK_M, BLOCK_N] tile: sum over k_tiles ring stages (from the running `step`; none
+    gives zeros) of a_ring[s] @ b_ring[s] (a_ring[s]^T where A_TRANSPOSED: stages [BLOCK_K,
+    BLOCK_M]) by wgmma in fp32, then into `handoff` (in its dtype) when the epilogue has freed it
+    (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. Returns (step,
+    tiles_done) after the tile."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     for ki in range(k_tiles):
         s = step % NUM_STAGES
         mbarrier.wait(ready.index(s), (step // NUM_STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(s), b_ring.index(s), acc, is_async=True)
+        a_stage = a_ring.index(s)
+        if A_TRANSPOSED:
+            a_stage = a_stage.permute((1, 0))
+        acc = warpgroup_mma(a_stage, b_ring.index(s), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         # the MMA of the step before has retired: its stage is free
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1)
+    mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=k_tiles > 0)
     mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
     handoff.store(acc.to(handoff.dtype))
     partition_barrier()

@@ -25,8 +25,9 @@ KERNEL_PRODUCTS = {
 }
 
 
-# Kernels that compute the same product under another name: the warp-specialized dH kernel (Hopper's rule).
-SAME_PRODUCT = {"_experts_dh_ws_kernel": "_experts_dh_kernel"}
+# Kernels that compute the same product under another name: the warp-specialized dH and weight-gradient kernels
+# (Hopper's rule).
+SAME_PRODUCT = {"_experts_dh_ws_kernel": "_experts_dh_kernel", "_experts_wgrad_ws_kernel": "_experts_wgrad_kernel"}
 
 
 def _kernel_us(kernels: list, name: str, nth: int) -> float | None:
@@ -103,7 +104,8 @@ def render_markdown(data: dict) -> str:
                 tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}"
                          f"{' ws' if c.get('dh_warp_specialized') else ''}, "
                          f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
-                         f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}, "
+                         f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}"
+                         f"{' ws' if c.get('wgrad_warp_specialized') else ''}, "
                          f"w{c['num_warps']} s{c['num_stages']}"
                          + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
                          + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))

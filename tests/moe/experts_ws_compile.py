@@ -1,10 +1,12 @@
-"""Compile `experts_dh_ws`'s kernel for sm_90a without a GPU (run by `test_experts_dh_ws.py` in a
-process without TRITON_INTERPRET: Gluon compiles jit functions, not the interpreter's).
+"""Compile the experts backward's warp-specialized kernels for sm_90a without a GPU (run by
+`test_experts_dh_ws.py` and `test_experts_wgrad_ws.py` in a process without TRITON_INTERPRET:
+Gluon compiles jit functions, not the interpreter's).
 
     python experts_ws_compile.py DTYPE EPILOGUE CUBIN_OUT CONFIG_JSON
 
-EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp). CONFIG_JSON: an
-`ExpertsBackwardConfig`'s fields as JSON.
+EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp) compiles `experts_dh_ws`'s
+kernel; "wgrad_down" or "wgrad_gate_up" `experts_wgrad_ws`'s, as dW_down (A by token) or
+dW_gate_up (B by token). CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON.
 
 prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
 """
@@ -18,6 +20,7 @@ import torch
 import triton
 
 from swiglu_patch.kernels import experts_dh_ws as ws
+from swiglu_patch.kernels import experts_wgrad_ws
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
@@ -26,11 +29,8 @@ from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
 def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilogue: str):
     """The kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K_out = 2048,
     I = 768 specializes it (16-byte-aligned pointers and sizes, unit inner strides), without a GPU."""
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     t, top_k, e, k_out, i = 512, 8, 64, 2048, 768
     s = t * top_k
@@ -49,21 +49,54 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
     block = [config.block_k, config.block_n]
     runtime["wd_desc"] = TensorDescriptor.from_tensor(torch.empty(e * k_out, i, dtype=dtype), block,
                                                       gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
+    return _compile(ws._experts_dh_ws_kernel, fixed, runtime), fixed
+
+
+def compile_wgrad_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, which: str):
+    """The weight-gradient kernel compiled for sm_90a as a launch of dW_down ("wgrad_down": dOut^T
+    @ hw) or dW_gate_up ("wgrad_gate_up": dP^T @ x) at T = 512, top-8, E = 64, K = K_out = 2048,
+    I = 768 specializes it, without a GPU."""
+    t, top_k, e, k, i = 512, 8, 64, 2048, 768
+    s = t * top_k
+    a_cols, b_cols = (k, i) if which == "wgrad_down" else (2 * i, k)
+    launch = experts_wgrad_ws.make_launcher(config, top_k, which == "wgrad_down", which == "wgrad_gate_up")
+    fixed = dict(launch.constexprs, NUM_PROGRAMS=132)
+    runtime = dict(a_ptr=torch.empty(s, a_cols, dtype=dtype), b_ptr=torch.empty(s, b_cols, dtype=dtype),
+                   pairs_ptr=torch.empty(s, dtype=torch.int64), starts_ptr=torch.empty(e, dtype=torch.int64),
+                   ends_ptr=torch.empty(e, dtype=torch.int64), out_ptr=torch.empty(e, a_cols, b_cols, dtype=dtype),
+                   NUM_PAIRS=s, A_COLS=a_cols, B_COLS=b_cols, NUM_EXPERTS=e, stride_am=a_cols, stride_bm=b_cols,
+                   stride_oe=a_cols * b_cols, stride_oa=b_cols)
+    return _compile(experts_wgrad_ws._experts_wgrad_ws_kernel, fixed, runtime), fixed
+
+
+def _compile(kernel, fixed: dict, runtime: dict):
+    """`kernel` compiled for sm_90a with constexprs `fixed` (num_warps among them) and the runtime
+    arguments' types and 16-divisibility of `runtime`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    fixed = dict(fixed)
     num_warps = fixed.pop("num_warps")
-    names = ws._experts_dh_ws_kernel.arg_names
+    names = kernel.arg_names
     signature = {n: "constexpr" if n in fixed or n == "num_warps" else mangle_type(runtime[n]) for n in names}
     constexprs = {(names.index(n),): v for n, v in dict(fixed, num_warps=num_warps).items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in runtime.items()
              if isinstance(v, torch.Tensor) or (isinstance(v, int) and v % 16 == 0)}
-    source = GluonASTSource(ws._experts_dh_ws_kernel, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}), fixed
+    source = GluonASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields = json.loads(config_json)
-    fields["dh_ws_registers"] = tuple(fields["dh_ws_registers"])
-    compiled, fixed = compile_for_hopper(ExpertsBackwardConfig(**fields), getattr(torch, dtype_name), epilogue)
+    for name in ("dh_ws_registers", "wgrad_ws_registers"):
+        fields[name] = tuple(fields[name])
+    config, dtype = ExpertsBackwardConfig(**fields), getattr(torch, dtype_name)
+    if epilogue.startswith("wgrad_"):
+        compiled, fixed = compile_wgrad_for_hopper(config, dtype, epilogue)
+    else:
+        compiled, fixed = compile_for_hopper(config, dtype, epilogue)
     with open(cubin_out, "wb") as f:
         f.write(compiled.asm["cubin"])
-    print(json.dumps({"shared": compiled.metadata.shared, "HANDOFF_FP32": fixed["HANDOFF_FP32"]}))
+    print(json.dumps({"shared": compiled.metadata.shared, "HANDOFF_FP32": fixed.get("HANDOFF_FP32", True)}))

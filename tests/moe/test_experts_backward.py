@@ -16,95 +16,18 @@ import pytest
 import torch
 
 from helpers import compiled_targets, rel_err
+from moe.experts_grad_check import (DEVICE, DTYPES, EPILOGUES, LAYOUTS, check_gradients, expert_weights,
+                                    poisoned_allocations, routing)
 from swiglu_patch import apply_fused_mlp, experts_ops, ops
 from swiglu_patch.experts import set_experts_mode
 from swiglu_patch.kernels import dispatch
-from swiglu_patch.kernels.epilogue import GatedEpilogue
-from swiglu_patch.kernels.experts_backward import GRADIENTS, experts_backward, experts_forward_with_preact
+from swiglu_patch.kernels.experts_backward import experts_backward
 from swiglu_patch.kernels.experts_backward_gemm import fit_wgrad_tile
-from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
+from swiglu_patch.kernels.experts_reference import experts_reference
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 from zoo.tiny_zoo import build
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-EPS = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
-LAYOUTS = [ExpertsLayout(), ExpertsLayout(transposed=True, concatenated=False), ExpertsLayout(transposed=True),
-           ExpertsLayout(concatenated=False)]
-EPILOGUES = {
-    "silu": ExpertsEpilogue(GatedEpilogue("silu")),
-    "gelu_tanh": ExpertsEpilogue(GatedEpilogue("gelu_tanh")),
-    "gelu": ExpertsEpilogue(GatedEpilogue("gelu")),
-    "scaled": ExpertsEpilogue(GatedEpilogue("silu", gate_scale=0.8, out_scale=1.3)),
-    "clamp_gate": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5, clamp="gate")),
-    "clamp_activation": ExpertsEpilogue(GatedEpilogue("silu", limit=0.5, clamp="activation")),
-    "gpt_oss": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5), alpha=1.702),
-}
-
-
-@pytest.fixture(autouse=True)
-def _poisoned_allocations(monkeypatch):
-    """Every floating-point tensor allocated with new_empty / empty_like during a test starts as NaN:
-    an element a kernel should write and does not, or a row it should not read and does, shows."""
-    new_empty, empty_like = torch.Tensor.new_empty, torch.empty_like
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
-
-
-def _weights(e, k, i, layout, bias, dtype, scale=1.0):
-    gate_up = torch.randn((e, k, 2 * i) if layout.transposed else (e, 2 * i, k)) * k ** -0.5
-    down = torch.randn((e, i, k) if layout.transposed else (e, k, i)) * i ** -0.5
-    gate_up_bias = torch.randn(e, 2 * i) * 0.3 if bias else None
-    down_bias = torch.randn(e, k) * 0.3 if bias else None
-    return tuple(None if t is None else (t * scale).to(DEVICE, dtype) for t in (gate_up, down, gate_up_bias, down_bias))
-
-
-def _routing(t, e, top_k, skew="uniform"):
-    logits = torch.randn(t, e)
-    if skew == "one_expert":  # every token's first choice is expert 0
-        logits[:, 0] = 100.0
-    if skew == "empty_expert":  # expert e-1 never chosen
-        logits[:, -1] = -100.0
-    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
-    return index.to(DEVICE), weights.to(DEVICE)
-
-
-def _autograd(x, index, weights, w, epilogue, layout, dout):
-    """Gradients in `GRADIENTS` order by autograd of the reference, in the inputs' dtype."""
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, *w, weights)]
-    out = experts_reference(leaves[0], index, leaves[5], *leaves[1:3], epilogue, layout, *leaves[3:5])
-    out.backward(dout)
-    return [None if t is None else t.grad for t in leaves]
-
-
-def _check(x, index, weights, w, epilogue, layout, dtype, store=True, **kw):
-    """Ours (store or recompute mode) against float64 autograd, within 2x torch's own error in dtype;
-    kw (kernel, config) go to the backward."""
-    dout = torch.randn(x.shape[0], w[1].shape[2] if layout.transposed else w[1].shape[1]).to(DEVICE, dtype)
-    f64 = lambda t: None if t is None else t.double()  # noqa: E731
-    ref = _autograd(f64(x), index, f64(weights), [f64(t) for t in w], epilogue, layout, dout.double())
-    theirs = _autograd(x, index, weights, w, epilogue, layout, dout)
-    preact = None
-    if store:
-        out, preact = experts_forward_with_preact(x, index, weights, *w[:2], epilogue, layout, *w[2:])
-        out_ref = experts_reference(*(f64(t) for t in (x,)), index, f64(weights), *(f64(t) for t in w[:2]), epilogue,
-                                    layout, *(f64(t) for t in w[2:]))
-        assert rel_err(out, out_ref) <= 2 * rel_err(experts_reference(x, index, weights, *w[:2], epilogue, layout,
-                                                                      *w[2:]), out_ref) + EPS[dtype]
-    ours = experts_backward(dout, x, index, weights, *w[:2], epilogue, layout, *w[2:], preact=preact, **kw)
-    for name, o, r, t in zip(GRADIENTS, ours, ref, theirs):
-        if r is None:
-            assert o is None, name
-            continue
-        assert o.shape == r.shape and o.dtype == t.dtype, name
-        assert not o.isnan().any(), f"d{name}: an element was not written"
-        err, bound = rel_err(o, r), 2 * rel_err(t, r) + EPS[dtype]
-        assert err <= bound, f"d{name}: error {err:.3g} vs torch's own {rel_err(t, r):.3g} ({dtype})"
-
+__all__ = ["poisoned_allocations"]  # the autouse fixture, imported to apply here
 
 @pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -112,21 +35,21 @@ def _check(x, index, weights, w, epilogue, layout, dtype, store=True, **kw):
 def test_every_gradient_in_both_modes_and_layouts(layout, dtype, store):
     """K and I off every block, biases, a sentinel slot (an expert-parallel id >= E)."""
     e, k, i, top_k, t = 5, 40, 24, 2, 7
-    w = _weights(e, k, i, layout, True, dtype)
+    w = expert_weights(e, k, i, layout, True, dtype)
     x = torch.randn(t, k).to(DEVICE, dtype)
-    index, weights = _routing(t, e, top_k)
+    index, weights = routing(t, e, top_k)
     index[2, 1] = e
-    _check(x, index, weights, w, EPILOGUES["silu"], layout, dtype, store)
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, dtype, store)
 
 
 @pytest.mark.parametrize("name", list(EPILOGUES))
 def test_every_epilogue_at_large_magnitudes(name):
     """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed, biased layout."""
     layout = LAYOUTS[1] if name == "gpt_oss" else LAYOUTS[0]
-    w = _weights(4, 24, 16, layout, name == "gpt_oss", torch.float32)
+    w = expert_weights(4, 24, 16, layout, name == "gpt_oss", torch.float32)
     x = torch.randn(6, 24).to(DEVICE) * 6.0
-    index, weights = _routing(6, 4, 2)
-    _check(x, index, weights, w, EPILOGUES[name], layout, torch.float32)
+    index, weights = routing(6, 4, 2)
+    check_gradients(x, index, weights, w, EPILOGUES[name], layout, torch.float32)
 
 
 @pytest.mark.parametrize("case", ["one_token", "one_expert", "empty_expert", "sentinels", "non_contiguous", "large"])
@@ -134,16 +57,16 @@ def test_routing_and_operand_edge_cases(case):
     dtype, layout, e, k, i = torch.float32, LAYOUTS[0], 4, 32, 16
     t, top_k, skew = {"one_token": (1, 2, "uniform"), "one_expert": (21, 2, "one_expert"),
                       "empty_expert": (21, 2, "empty_expert")}.get(case, (9, 2, "uniform"))
-    w = _weights(e, k, i, layout, True, dtype, scale=30.0 if case == "large" else 1.0)
+    w = expert_weights(e, k, i, layout, True, dtype, scale=30.0 if case == "large" else 1.0)
     x = torch.randn(t, k).to(DEVICE, dtype) * (30.0 if case == "large" else 1.0)
-    index, weights = _routing(t, e, top_k, skew)
+    index, weights = routing(t, e, top_k, skew)
     if case == "sentinels":
         index[::2, 1] = e
         index[3, :] = e + 3  # a token with no local expert at all: zero gradient
     if case == "non_contiguous":
         x = torch.randn(2 * t, 2 * k).to(DEVICE, dtype)[::2, ::2]
         w = (w[0].transpose(1, 2).contiguous().transpose(1, 2), *w[1:])
-    _check(x, index, weights, w, EPILOGUES["silu"], layout, dtype)
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, dtype)
     if case == "sentinels":
         grads = experts_backward(torch.randn(t, k, device=DEVICE), x, index, weights, *w[:2], EPILOGUES["silu"],
                                  layout, *w[2:])
@@ -155,10 +78,10 @@ def test_routing_and_operand_edge_cases(case):
 @pytest.mark.parametrize("rule", range(len(EXPERTS_BACKWARD_RULES)))
 def test_every_rule_tile(rule, dtype):
     layout = LAYOUTS[1]
-    w = _weights(3, 40, 24, layout, True, dtype)
+    w = expert_weights(3, 40, 24, layout, True, dtype)
     x = torch.randn(11, 40).to(DEVICE, dtype)
-    index, weights = _routing(11, 3, 2)
-    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, dtype, store=False,
+    index, weights = routing(11, 3, 2)
+    check_gradients(x, index, weights, w, EPILOGUES["gpt_oss"], layout, dtype, store=False,
            kernel="experts_backward_grouped", config=EXPERTS_BACKWARD_RULES[rule].config)
 
 
@@ -166,11 +89,11 @@ def test_every_rule_tile(rule, dtype):
 def test_the_weight_gradients_reduce_a_block_in_parts(rows):
     """wgrad_rows < block_m: each block's rows reduced in block_m / rows steps, the same sums."""
     layout = LAYOUTS[0]
-    w = _weights(5, 40, 24, layout, True, torch.float16)
+    w = expert_weights(5, 40, 24, layout, True, torch.float16)
     x = torch.randn(70, 40).to(DEVICE, torch.float16)
-    index, weights = _routing(70, 5, 2)
+    index, weights = routing(70, 5, 2)
     config = dataclasses.replace(EXPERTS_BACKWARD_RULES[-1].config, wgrad_rows=rows)
-    _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.float16, store=False,
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, torch.float16, store=False,
            kernel="experts_backward_grouped", config=config)
 
 
@@ -203,9 +126,9 @@ def test_every_rule_fits_its_shared_memory_budget(rule):
 
 def test_only_the_gradients_asked_for_and_the_routing_weights_dtype():
     dtype = torch.float16
-    w = _weights(4, 32, 16, LAYOUTS[0], False, dtype)
+    w = expert_weights(4, 32, 16, LAYOUTS[0], False, dtype)
     x = torch.randn(5, 32).to(DEVICE, dtype)
-    index, weights = _routing(5, 4, 2)  # fp32 routing weights beside fp16 experts
+    index, weights = routing(5, 4, 2)  # fp32 routing weights beside fp16 experts
     dout = torch.randn(5, 32).to(DEVICE, dtype)
     grads = experts_backward(dout, x, index, weights, *w[:2], EPILOGUES["silu"], needs=(True, False, False, True,
                                                                                          True, True))
@@ -232,9 +155,9 @@ def test_the_planner_names_the_backward_rule():
 def test_the_registered_op_through_autograd(store):
     """`swiglu_patch::experts_train`: every input's gradient by autograd, as float64 autograd of the reference."""
     layout, epilogue = LAYOUTS[1], EPILOGUES["gpt_oss"]
-    w = _weights(4, 24, 16, layout, True, torch.float32)
+    w = expert_weights(4, 24, 16, layout, True, torch.float32)
     x = torch.randn(6, 24, device=DEVICE)
-    index, weights = _routing(6, 4, 2)
+    index, weights = routing(6, 4, 2)
     dout = torch.randn(6, 24, device=DEVICE)
     leaves = [t.clone().requires_grad_() for t in (x, weights, *w)]
     args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha, layout.transposed, layout.concatenated, store)
@@ -279,9 +202,9 @@ def test_a_tiny_moe_trains_as_eager_on_the_kernels(model_type, mode):
 
 def _op_case(store):
     layout, epilogue = LAYOUTS[1], EPILOGUES["gpt_oss"]
-    w = [t.requires_grad_() for t in _weights(4, 24, 16, layout, True, torch.float32)]
+    w = [t.requires_grad_() for t in expert_weights(4, 24, 16, layout, True, torch.float32)]
     x = torch.randn(6, 24, device=DEVICE, requires_grad=True)
-    index, weights = _routing(6, 4, 2)
+    index, weights = routing(6, 4, 2)
     args = (*ops.epilogue_args(epilogue.gated), epilogue.alpha, layout.transposed, layout.concatenated, store)
     return x, index, weights.requires_grad_(), w, args
 
@@ -370,76 +293,3 @@ def test_store_mode_backpropagates_a_graph_once(train):
                 torch.autograd.grad(out, x, dout)
         else:
             assert torch.equal(torch.autograd.grad(out, x, dout)[0], first)
-
-
-HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
-WS_CONFIG = dataclasses.replace(next(r.config for r in EXPERTS_BACKWARD_RULES if r.gpus), dh_warp_specialized=True)
-# (tokens, experts, top-k, K, I, routing, dtype, store): tiles past one per program (the ring and the handoff
-# wrap), K off the 128-wide tiles of the other kernels (a multiple of the 64-wide K step it takes) and I off its
-# 128-column tile, one token, all first choices on one expert, an expert with none, sentinels, and
-# inputs of scale 8 (bf16: fp16 autograd, the bound, overflows there)
-WS_CASES = {
-    "many_tiles": (1024, 8, 8, 1024, 640, "uniform", torch.bfloat16, True),
-    "tails": (300, 6, 3, 192, 144, "uniform", torch.float16, False),
-    "one_token": (1, 4, 2, 64, 32, "uniform", torch.bfloat16, True),
-    "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16, True),
-    "empty_expert": (257, 4, 2, 128, 176, "empty_expert", torch.float16, True),
-    "sentinels": (130, 4, 2, 128, 64, "uniform", torch.bfloat16, False),
-    "large": (200, 4, 2, 64, 48, "uniform", torch.bfloat16, True),
-}
-
-
-@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("case", list(WS_CASES))
-def test_the_warp_specialized_dh_kernel(case, monkeypatch):
-    """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
-    kernel that ran (no fallback), and every gradient within twice torch's own error."""
-    from swiglu_patch.kernels import experts_dh_ws
-
-    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
-    ran = []
-    can_run = experts_dh_ws.can_run
-    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
-    scale = 8.0 if case == "large" else 1.0
-    w = _weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = _routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
-    _check(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-           kernel="experts_backward_grouped", config=WS_CONFIG)
-    assert ran == [True]
-
-
-@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
-def test_the_warp_specialized_dh_kernel_leaves_what_it_cannot_take_to_the_other(monkeypatch):
-    """Biases, the transposed layout, K_out off a multiple of the 64-wide K step, and I off a multiple of 16 run
-    the one-program-per-tile kernel."""
-    from swiglu_patch.kernels import experts_dh_ws
-
-    ran = []
-    can_run = experts_dh_ws.can_run
-    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
-    for layout, bias, k, i in ((LAYOUTS[0], True, 64, 32), (LAYOUTS[1], False, 64, 32), (LAYOUTS[0], False, 208, 32),
-                               (LAYOUTS[0], False, 64, 120)):
-        w = _weights(4, k, i, layout, bias, torch.bfloat16)
-        x = torch.randn(40, k).to(DEVICE, torch.bfloat16)
-        index, weights = _routing(40, 4, 2)
-        _check(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16, kernel="experts_backward_grouped",
-               config=WS_CONFIG)
-    assert ran == [False] * 4
-
-
-@pytest.mark.skipif(not HOPPER_GPU, reason="the Hopper rule's tiles run on Hopper GPUs")
-@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
-def test_gpt_oss_experts_on_the_hopper_rule(store):
-    """gpt-oss's experts (transposed, interleaved, biased, its clamped SwiGLU) at T = 1024 in bf16, where the planner
-    takes the Hopper rule: the case a bias sum inside the dH kernel's main loop got wrong, x's and gate_up's
-    gradients 34-54% off float64 (docs/history.md, `experts_bias_dh`)."""
-    layout = LAYOUTS[1]
-    w = _weights(8, 256, 128, layout, True, torch.bfloat16)
-    x = torch.randn(1024, 256).to(DEVICE, torch.bfloat16)
-    index, weights = _routing(1024, 8, 4)
-    assert dispatch.choose(torch.cuda.get_device_name(), torch.bfloat16, 1024, 256, 128,
-                           op="experts_backward")[1].gpus  # the Hopper rule
-    _check(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.bfloat16, store)

@@ -1,0 +1,145 @@
+"""The experts backward's Hopper kernels on a Hopper GPU: the warp-specialized dH
+(`experts_dh_ws.py`) and weight-gradient (`experts_wgrad_ws.py`) kernels in place of the
+one-program-per-tile ones, and gpt-oss's experts on the Hopper rule, against float64 autograd of
+`experts_reference` (`experts_grad_check.py`: fresh inputs, poisoned allocations, within twice
+PyTorch's own error). Each case asserts which kernel ran. Their compilation for sm_90a is checked
+without a GPU (`test_experts_dh_ws.py`, `test_experts_wgrad_ws.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, check_gradients, expert_weights,
+                                    poisoned_allocations, routing)
+from swiglu_patch.kernels import dispatch
+from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
+
+__all__ = ["poisoned_allocations"]  # the autouse fixture, imported to apply here
+
+HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+HOPPER_RULE = next(r.config for r in EXPERTS_BACKWARD_RULES if r.gpus)
+WS_CONFIG = dataclasses.replace(HOPPER_RULE, dh_warp_specialized=True, wgrad_warp_specialized=False)
+WGRAD_WS_CONFIG = dataclasses.replace(HOPPER_RULE, dh_warp_specialized=True, wgrad_warp_specialized=True)
+# (tokens, experts, top-k, K, I, routing, dtype, store): tiles past one per program (the ring and the handoff
+# wrap), K off the 128-wide tiles of the other kernels (a multiple of the 64-wide K step it takes) and I off its
+# 128-column tile, one token, all first choices on one expert, an expert with none, sentinels, and
+# inputs of scale 8 (bf16: fp16 autograd, the bound, overflows there)
+WS_CASES = {
+    "many_tiles": (1024, 8, 8, 1024, 640, "uniform", torch.bfloat16, True),
+    "tails": (300, 6, 3, 192, 144, "uniform", torch.float16, False),
+    "one_token": (1, 4, 2, 64, 32, "uniform", torch.bfloat16, True),
+    "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16, True),
+    "empty_expert": (257, 4, 2, 128, 176, "empty_expert", torch.float16, True),
+    "sentinels": (130, 4, 2, 128, 64, "uniform", torch.bfloat16, False),
+    "large": (200, 4, 2, 64, 48, "uniform", torch.bfloat16, True),
+}
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_the_warp_specialized_dh_kernel(case, monkeypatch):
+    """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
+    kernel that ran (no fallback), and every gradient within twice torch's own error."""
+    from swiglu_patch.kernels import experts_dh_ws
+
+    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
+    ran = []
+    can_run = experts_dh_ws.can_run
+    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
+           kernel="experts_backward_grouped", config=WS_CONFIG)
+    assert ran == [True]
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+def test_the_warp_specialized_dh_kernel_leaves_what_it_cannot_take_to_the_other(monkeypatch):
+    """Biases, the transposed layout, K_out off a multiple of the 64-wide K step, and I off a multiple of 16 run
+    the one-program-per-tile kernel."""
+    from swiglu_patch.kernels import experts_dh_ws
+
+    ran = []
+    can_run = experts_dh_ws.can_run
+    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+    for layout, bias, k, i in ((LAYOUTS[0], True, 64, 32), (LAYOUTS[1], False, 64, 32), (LAYOUTS[0], False, 208, 32),
+                               (LAYOUTS[0], False, 64, 120)):
+        w = expert_weights(4, k, i, layout, bias, torch.bfloat16)
+        x = torch.randn(40, k).to(DEVICE, torch.bfloat16)
+        index, weights = routing(40, 4, 2)
+        check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16, kernel="experts_backward_grouped",
+               config=WS_CONFIG)
+    assert ran == [False] * 4
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the Hopper rule's tiles run on Hopper GPUs")
+@pytest.mark.parametrize("store", [True, False], ids=["store", "recompute"])
+def test_gpt_oss_experts_on_the_hopper_rule(store):
+    """gpt-oss's experts (transposed, interleaved, biased, its clamped SwiGLU) at T = 1024 in bf16, where the planner
+    takes the Hopper rule: the case a bias sum inside the dH kernel's main loop got wrong, x's and gate_up's
+    gradients 34-54% off float64 (docs/history.md, `experts_bias_dh`)."""
+    layout = LAYOUTS[1]
+    w = expert_weights(8, 256, 128, layout, True, torch.bfloat16)
+    x = torch.randn(1024, 256).to(DEVICE, torch.bfloat16)
+    index, weights = routing(1024, 8, 4)
+    assert dispatch.choose(torch.cuda.get_device_name(), torch.bfloat16, 1024, 256, 128,
+                           op="experts_backward")[1].gpus  # the Hopper rule
+    check_gradients(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.bfloat16, store)
+
+
+def _recording(monkeypatch, module):
+    """What `module.can_run` answers, call by call, from here on."""
+    answers, can_run = [], module.can_run
+    monkeypatch.setattr(module, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
+    return answers
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized weight-gradient kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_the_warp_specialized_weight_gradient_kernel(case, monkeypatch):
+    """`experts_wgrad_ws.py` for both weight gradients, against float64, on the dH kernel's cases: tiles past one
+    per program and 16 steps a tile (the ring and the handoff wrap), tails of every tile, one token, every first
+    choice on one expert, an expert with no pairs (its gradient zeros), sentinels, scale-8 inputs. It must be the
+    kernel that ran, for dW_down and for dW_gate_up."""
+    from swiglu_patch.kernels import experts_wgrad_ws
+
+    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
+    ran = _recording(monkeypatch, experts_wgrad_ws)
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
+                    kernel="experts_backward_grouped", config=WGRAD_WS_CONFIG)
+    assert ran == [True, True]
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized weight-gradient kernel runs on Hopper GPUs only")
+def test_the_warp_specialized_weight_gradient_kernel_leaves_what_it_cannot_take_to_the_other(monkeypatch):
+    """Biases and the transposed layout (out's B axis strided) run `_experts_wgrad_kernel` for both gradients; I off
+    a multiple of 16 for dW_down (hw's columns), a strided x for dW_gate_up. Every gradient still checked."""
+    from swiglu_patch.kernels import experts_wgrad_ws
+
+    ran = _recording(monkeypatch, experts_wgrad_ws)
+    expected = []
+    for layout, bias, i, strided_x, answers in ((LAYOUTS[0], True, 32, False, [False, False]),
+                                                (LAYOUTS[1], False, 32, False, [False, False]),
+                                                (LAYOUTS[0], False, 120, False, [False, True]),
+                                                (LAYOUTS[0], False, 32, True, [True, False])):
+        w = expert_weights(4, 64, i, layout, bias, torch.bfloat16)
+        x = torch.randn(40, 128 if strided_x else 64).to(DEVICE, torch.bfloat16)
+        x = x[:, ::2] if strided_x else x
+        index, weights = routing(40, 4, 2)
+        check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16,
+                        kernel="experts_backward_grouped", config=WGRAD_WS_CONFIG)
+        expected += answers
+    assert ran == expected
