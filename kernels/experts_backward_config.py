@@ -56,7 +56,7 @@ class ExpertsBackwardConfig:
     dh_warp_specialized: bool = False
     dh_ws_registers: tuple[int, int] = (96, 192)
     wgrad_warp_specialized: bool = False
-    wgrad_ws_registers: tuple[int, int] = (96, 96)
+    wgrad_ws_registers: tuple[int, int] = (96, 64)
 
     def __post_init__(self):
         rows = self.wgrad_rows

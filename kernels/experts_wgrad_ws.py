@@ -16,9 +16,11 @@ while a tile is written:
   [ROWS, BLOCK_A] and of B [ROWS, BLOCK_B], both gathered by cp.async (Hopper's TMA has no row
   gather; padding pairs load as zeros), into a ring of NUM_STAGES buffers. A step's rows are
   waited for LAG steps later (cp.async groups), then fenced for the tensor cores and signalled;
-- the MMA group (the default partition, `num_warps` warps): wgmma of the A stage read transposed
-  ([BLOCK_A, ROWS] as a view of [ROWS, BLOCK_A]) by the B stage, into one fp32 accumulator,
-  written when the tile is done into the shared fp32 handoff (`ws_jit.mma_tile_to_handoff`);
+- the MMA group (the default partition, `num_warps` warps: one warpgroup for tiles of up to
+  128 rows, two for 256): wgmma of the A stage read transposed ([BLOCK_A, ROWS] as a view of
+  [ROWS, BLOCK_A]) by the B stage, into one fp32 accumulator, written when the tile is done into
+  a shared handoff buffer (`ws_jit.mma_tile_to_handoff`; fp32 where it fits beside the ring,
+  else in out's dtype: either way the sum is rounded once, to out's dtype);
 - the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_A, BLOCK_B] slices
   and writes them through out's strides.
 
@@ -141,7 +143,7 @@ def _epilogue(handoff, handoff_ready, handoff_free, out_ptr, A_COLS, B_COLS, NUM
         mbarrier.wait(handoff_ready, tiles_done & 1)
         for r in gl.static_range(BLOCK_A // EPILOGUE_A):
             rows = pid_a * BLOCK_A + r * EPILOGUE_A + gl.arange(0, EPILOGUE_A, layout=gl.SliceLayout(1, layout))
-            value = handoff.slice(r * EPILOGUE_A, EPILOGUE_A, dim=0).load(layout)
+            value = handoff.slice(r * EPILOGUE_A, EPILOGUE_A, dim=0).load(layout).to(gl.float32)
             gl.store(out_tile + rows[:, None].to(gl.int64) * stride_oa + cols[None, :],
                      value.to(out_ptr.dtype.element_ty), mask=(rows < A_COLS)[:, None] & (cols < B_COLS)[None, :])
         partition_barrier()
@@ -157,15 +159,16 @@ def _experts_wgrad_ws_kernel(
     BLOCK_A: gl.constexpr, BLOCK_B: gl.constexpr, ROWS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
     NUM_STAGES: gl.constexpr, LAG: gl.constexpr, LOADER_WARPS: gl.constexpr, LOADER_REGISTERS: gl.constexpr,
     EPILOGUE_A: gl.constexpr, EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGISTERS: gl.constexpr,
-    num_warps: gl.constexpr,
+    HANDOFF_FP32: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, BLOCK_A],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_A], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, ROWS, BLOCK_B],
                                        gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_B], dtype))
-    handoff = gl.allocate_shared_memory(gl.float32, [BLOCK_A, BLOCK_B],
-                                        gl.NVMMASharedLayout.get_default_for([BLOCK_A, BLOCK_B], gl.float32))
+    handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dtype
+    handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_A, BLOCK_B],
+                                        gl.NVMMASharedLayout.get_default_for([BLOCK_A, BLOCK_B], handoff_dtype))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -207,24 +210,29 @@ def make_launcher(config: ExpertsBackwardConfig, top_k: int, a_by_token: bool, b
     (through out_strides = (expert, A axis, B axis)) = sum over e's blocks [starts[e], ends[e]) of
     a[rows]^T @ b[rows], rows by token (p // top_k) or by pair as a_by_token and b_by_token say.
 
-    config: the routing's block_m, the wgrad_block_a x wgrad_block_b tile (one warpgroup of 4 MMA
-    warps: block_a 64 or 128, block_b a multiple of 16 up to 128), wgrad_rows (or block_m) rows a
-    step, wgrad_num_stages (or num_stages) ring buffers; the loader and the epilogue take 4 warps
-    each at config.wgrad_ws_registers = (loader, epilogue) registers a thread."""
+    config: the routing's block_m, the wgrad_block_a x wgrad_block_b tile (block_a 64, 128 or
+    256, block_b a multiple of 16 from 32 to 128: one warpgroup of 4 MMA warps up to 128x128,
+    two for 256 rows; a wgmma of 256 columns needs more than the 128 registers a thread 16 warps
+    leave), wgrad_rows (or block_m) rows a step,
+    wgrad_num_stages (or num_stages) ring buffers; the loader and the epilogue take 4 warps each
+    at config.wgrad_ws_registers = (loader, epilogue) registers a thread."""
     block_a, block_b, rows = config.wgrad_block_a, config.wgrad_block_b, config.wgrad_rows or config.block_m
     stages = config.wgrad_num_stages or config.num_stages
-    if block_a not in (64, 128) or block_b % 16 or not 32 <= block_b <= 128:
-        raise ValueError(f"experts_wgrad_ws: a 64- or 128-row tile and 32 to 128 columns in steps of 16, got "
+    if block_a not in (64, 128, 256) or block_b % 16 or not 32 <= block_b <= 128:
+        raise ValueError(f"experts_wgrad_ws: a 64-, 128- or 256-row tile and 32 to 128 columns in steps of 16, got "
                          f"{block_a}x{block_b}")
-    shared = stages * rows * (block_a + block_b) * 2 + block_a * block_b * 4
-    if shared > SHARED_MEMORY_BYTES:
-        raise ValueError(f"experts_wgrad_ws: {stages} stages of {rows} rows and the fp32 handoff take {shared} bytes "
-                         f"of shared memory, over Hopper's {SHARED_MEMORY_BYTES}: fewer stages or rows")
+    ring = stages * rows * (block_a + block_b) * 2
+    if ring + block_a * block_b * 2 > SHARED_MEMORY_BYTES:
+        raise ValueError(f"experts_wgrad_ws: {stages} stages of {rows} rows and the handoff take "
+                         f"{ring + block_a * block_b * 2} bytes of shared memory, over Hopper's {SHARED_MEMORY_BYTES}: "
+                         f"fewer stages or rows")
     loader_registers, epilogue_registers = config.wgrad_ws_registers
     fixed = dict(TOP_K=top_k, A_BY_TOKEN=a_by_token, B_BY_TOKEN=b_by_token, BLOCK_M=config.block_m, BLOCK_A=block_a,
                  BLOCK_B=block_b, ROWS=rows, NUM_STAGES=stages, LAG=max(1, stages - 2), LOADER_WARPS=LOADER_WARPS,
-                 LOADER_REGISTERS=loader_registers, EPILOGUE_A=32, EPILOGUE_WARPS=EPILOGUE_WARPS,
-                 EPILOGUE_REGISTERS=epilogue_registers, num_warps=4)
+                 LOADER_REGISTERS=loader_registers, EPILOGUE_A=min(block_a, 4096 // block_b),
+                 EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGISTERS=epilogue_registers,
+                 HANDOFF_FP32=ring + block_a * block_b * 4 <= SHARED_MEMORY_BYTES,
+                 num_warps=4 if block_a * block_b <= 128 * 128 else 8)
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
     def launch(a, b, sorted_pairs, starts, ends, out, out_strides, num_pairs: int, num_experts: int) -> None:

@@ -102,12 +102,14 @@ def _recording(monkeypatch, module):
 
 
 @pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized weight-gradient kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("block_a", [128, 256])
 @pytest.mark.parametrize("case", list(WS_CASES))
-def test_the_warp_specialized_weight_gradient_kernel(case, monkeypatch):
+def test_the_warp_specialized_weight_gradient_kernel(case, block_a, monkeypatch):
     """`experts_wgrad_ws.py` for both weight gradients, against float64, on the dH kernel's cases: tiles past one
     per program and 16 steps a tile (the ring and the handoff wrap), tails of every tile, one token, every first
     choice on one expert, an expert with no pairs (its gradient zeros), sentinels, scale-8 inputs. It must be the
-    kernel that ran, for dW_down and for dW_gate_up."""
+    kernel that ran, for dW_down and for dW_gate_up; with 128x128 tiles (one MMA warpgroup, an fp32 handoff) and
+    256x128 (two, a 16-bit handoff)."""
     from swiglu_patch.kernels import experts_wgrad_ws
 
     t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
@@ -119,7 +121,7 @@ def test_the_warp_specialized_weight_gradient_kernel(case, monkeypatch):
     if case == "sentinels":
         index[::2, 1] = e
     check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-                    kernel="experts_backward_grouped", config=WGRAD_WS_CONFIG)
+                    kernel="experts_backward_grouped", config=dataclasses.replace(WGRAD_WS_CONFIG, wgrad_block_a=block_a))
     assert ran == [True, True]
 
 
