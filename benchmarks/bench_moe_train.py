@@ -93,7 +93,7 @@ def flops(shape: MoEShape, tokens: int) -> float:
 
 
 SWEEP_NAMES = ("rule", "untuned", "first_hopper", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
-               "wg_r32_s4", "wg_ws", "wg_ws_s4", "wg_ws_r32_s6", "wg_ws_256", "wg_ws_256_r32_s6")
+               "wg_r32_s4", "wg_triton", "wg_ws_128", "wg_ws_r32_s6")
 
 
 def sweep_configs() -> dict:
@@ -103,8 +103,8 @@ def sweep_configs() -> dict:
     choice changed each (the dH kernel's stages or tile, the weight-gradient tile, 4 warps, the rows the
     weight-gradient kernels reduce per step and their stages; "wg128_r64_s3" is the Hopper rule's tiles with the
     one-program-per-tile dH kernel where the rule runs `experts_dh_ws.py`); and the Hopper rule with the weight
-    gradients run by `experts_wgrad_ws.py` ("wg_ws"), at 4 stages, at 32 rows a step over 6 stages, and with 256x128
-    tiles at 64 and at 32 rows a step."""
+    gradients by the one-program-per-tile kernel ("wg_triton", where the rule runs `experts_wgrad_ws.py`), by
+    `experts_wgrad_ws.py` with 128x128 tiles, and with 32 rows a step over 6 stages."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
@@ -125,11 +125,9 @@ def sweep_configs() -> dict:
         "wg_r64_s3": replace(hopper, wgrad_rows=64, wgrad_num_stages=3),
         "wg128_r64_s3": replace(hopper, wgrad_block_b=128, wgrad_rows=64, wgrad_num_stages=3),
         "wg_r32_s4": replace(hopper, wgrad_rows=32, wgrad_num_stages=4),
-        "wg_ws": (wg_ws := replace(rule, wgrad_warp_specialized=True)),
-        "wg_ws_s4": replace(wg_ws, wgrad_num_stages=4),
-        "wg_ws_r32_s6": replace(wg_ws, wgrad_rows=32, wgrad_num_stages=6),
-        "wg_ws_256": replace(wg_ws, wgrad_block_a=256),
-        "wg_ws_256_r32_s6": replace(wg_ws, wgrad_block_a=256, wgrad_rows=32, wgrad_num_stages=6),
+        "wg_triton": replace(rule, wgrad_warp_specialized=False),
+        "wg_ws_128": replace(rule, wgrad_ws_tile=(128, 128)),
+        "wg_ws_r32_s6": replace(rule, wgrad_rows=32, wgrad_num_stages=6),
     }
 
 

@@ -34,8 +34,11 @@ class ExpertsBackwardConfig:
         dh_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
         wgrad_warp_specialized: on Hopper, run the two weight gradients as the persistent
             warp-specialized kernel (`experts_wgrad_ws.py`: the next tile's loads and MMAs beside a
-            tile's store) where it can take the call; its ring has wgrad_num_stages (or
-            num_stages) stages of wgrad_rows (or block_m) rows and its own shared memory.
+            tile's store) where it can take the call, with output tiles of wgrad_ws_tile; its ring
+            has wgrad_num_stages (or num_stages) stages of wgrad_rows (or block_m) rows and its
+            own shared memory.
+        wgrad_ws_tile: that kernel's output tile (its own: wgrad_block_a x wgrad_block_b stay the
+            tile of the calls it leaves to the one-program-per-tile kernel).
         wgrad_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
@@ -56,6 +59,7 @@ class ExpertsBackwardConfig:
     dh_warp_specialized: bool = False
     dh_ws_registers: tuple[int, int] = (96, 192)
     wgrad_warp_specialized: bool = False
+    wgrad_ws_tile: tuple[int, int] = (256, 128)
     wgrad_ws_registers: tuple[int, int] = (96, 64)
 
     def __post_init__(self):
@@ -72,7 +76,7 @@ class ExpertsBackwardConfig:
         if self.dh_warp_specialized:
             dh_s += " ws"
         if self.wgrad_warp_specialized:
-            wg_s += " ws"
+            wg_s += f" ws {self.wgrad_ws_tile[0]}x{self.wgrad_ws_tile[1]}"
         return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -225,6 +225,8 @@ MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json", "h100/moe_train/ba
                 "h100/moe_train/backward_tiles/rows/results.json")
 MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json", "h100/moe_train/dh_ws_variants/results.json",
                       "h100/moe_train/dh_ws_final/results.json")
+MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train/wgrad_ws_256/results.json",
+                         "h100/moe_train/wgrad_ws_rule/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
@@ -245,13 +247,17 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
          m=(65, 512), why="tens of rows per expert: 64-row blocks, as the forward's rule; not yet timed"),
     Rule("experts_backward_grouped", EBC(128, 128, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3,
                                          dh_num_stages=4, wgrad_num_stages=3, wgrad_rows=64, smem_budget_kib=224,
-                                         dh_warp_specialized=True),
-         HOPPERS, m=(513, None), sweep=MOE_BACKWARD + MOE_BACKWARD_DH_WS,
+                                         dh_warp_specialized=True, wgrad_warp_specialized=True,
+                                         wgrad_ws_tile=(256, 128)),
+         HOPPERS, m=(513, None), sweep=MOE_BACKWARD + MOE_BACKWARD_DH_WS + MOE_BACKWARD_WGRAD_WS,
          why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages, 128x128 "
              "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x (dH), 0.77x (dWd) and 0.80x "
              "(dWgu) the time of the tiles below at Qwen3-30B-A3B T = 16384; the weight-gradient kernels 0.86-0.92x "
              "those of 128x256 tiles over whole blocks on OLMoE; dH warp-specialized where it can take the call "
-             "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384)"),
+             "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384); the weight "
+             "gradients by the persistent warp-specialized kernel with 256x128 tiles where it can take the call (0.84-"
+             "0.96x the 128x128 one-program-per-tile kernel's time, 1.015x on OLMoE's dW_gate_up at T = 16384; its "
+             "128x128 tiles 1.16-1.18x, 32 rows a step 1.05-1.26x)"),
     Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
          m=(513, None), why="training batches on other GPUs: 128-row blocks, a 128x64 dH tile, 128x128 dX and "
                             "weight-gradient tiles, within 160 KiB of shared memory; not timed on them (on the H100: "

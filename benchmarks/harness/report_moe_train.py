@@ -36,6 +36,15 @@ def _kernel_us(kernels: list, name: str, nth: int) -> float | None:
     return found[nth] if len(found) > nth else None
 
 
+def _wgrad_ws(config: dict) -> str:
+    """" ws 256x128": the warp-specialized weight-gradient kernel's tile where the config runs it (before
+    `wgrad_ws_tile` existed, it ran wgrad_block_a x wgrad_block_b); "" where it does not."""
+    if not config.get("wgrad_warp_specialized"):
+        return ""
+    tile = config.get("wgrad_ws_tile") or (config["wgrad_block_a"], config["wgrad_block_b"])
+    return f" ws {tile[0]}x{tile[1]}"
+
+
 def _stages(config: dict, key: str) -> str:
     return "" if config.get(key) is None else f" s{config[key]}"
 
@@ -105,7 +114,7 @@ def render_markdown(data: dict) -> str:
                          f"{' ws' if c.get('dh_warp_specialized') else ''}, "
                          f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
                          f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}"
-                         f"{' ws' if c.get('wgrad_warp_specialized') else ''}, "
+                         f"{_wgrad_ws(c)}, "
                          f"w{c['num_warps']} s{c['num_stages']}"
                          + (f", {c['smem_budget_kib']} KiB" if "smem_budget_kib" in c else "")
                          + _kernel_cells(v.get("kernels_us"), v.get("rule_kernels_us")))
@@ -136,6 +145,6 @@ def render_markdown(data: dict) -> str:
         lines += ["", f"Rows not started (--budget-s {data.get('budget_s')}): {', '.join(data['not_started'])}."]
     lines += ["", "## Targets", "", "| shape | T | target | met |", "|---|---:|---|---|"]
     for r in data["rows"]:
-        for name, met in r["targets"].items():
+        for name, met in r.get("targets", {}).items():  # a row cut by the command's time limit has none
             lines.append(f"| {r['shape']} | {r['tokens']} | {name} | {'-' if met is None else 'yes' if met else 'NO'} |")
     return "\n".join(lines) + "\n"

@@ -90,7 +90,7 @@ def _compile(kernel, fixed: dict, runtime: dict):
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields = json.loads(config_json)
-    for name in ("dh_ws_registers", "wgrad_ws_registers"):
+    for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers"):
         fields[name] = tuple(fields[name])
     config, dtype = ExpertsBackwardConfig(**fields), getattr(torch, dtype_name)
     if epilogue.startswith("wgrad_"):

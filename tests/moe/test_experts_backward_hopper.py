@@ -121,7 +121,8 @@ def test_the_warp_specialized_weight_gradient_kernel(case, block_a, monkeypatch)
     if case == "sentinels":
         index[::2, 1] = e
     check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-                    kernel="experts_backward_grouped", config=dataclasses.replace(WGRAD_WS_CONFIG, wgrad_block_a=block_a))
+                    kernel="experts_backward_grouped",
+                    config=dataclasses.replace(WGRAD_WS_CONFIG, wgrad_ws_tile=(block_a, 128)))
     assert ran == [True, True]
 
 

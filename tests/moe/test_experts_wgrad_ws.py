@@ -22,11 +22,12 @@ from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 HOPPER_RULE = next(r for r in EXPERTS_BACKWARD_RULES if r.gpus)
-# the Hopper rule's tiles with the kernel on, the deepest ring beside the fp32 handoff, and 256x128 tiles (two MMA
-# warpgroups, a 16-bit handoff)
+# the Hopper rule's (256x128 tiles: two MMA warpgroups, a 16-bit handoff), and 128x128 tiles (one, an fp32 handoff)
+# at the rule's stages and at the deepest ring beside that handoff
 CONFIGS = [dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True),
-           dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True, wgrad_num_stages=4),
-           dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True, wgrad_block_a=256)]
+           dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True, wgrad_ws_tile=(128, 128),
+                               wgrad_num_stages=4),
+           dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True, wgrad_ws_tile=(128, 128))]
 
 
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
@@ -39,7 +40,7 @@ def test_it_compiles_for_hopper_without_spills(config, dtype, which, tmp_path):
     args = [sys.executable, str(Path(__file__).with_name("experts_ws_compile.py")), str(dtype).replace("torch.", ""),
             which, str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
     result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
-    assert result["HANDOFF_FP32"] == (config.wgrad_block_a == 128), result
+    assert result["HANDOFF_FP32"] == (config.wgrad_ws_tile[0] == 128), result
     assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
                            check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
@@ -51,9 +52,9 @@ def test_a_cpu_call_or_what_it_cannot_take_is_refused():
     out = torch.empty(2, 64, 32, dtype=torch.bfloat16)
     assert not ws.can_run(a, b, out, out.stride(), False)  # on CPU
     for tile in ((32, 128), (128, 136), (128, 256), (512, 64)):
-        config = dataclasses.replace(HOPPER_RULE.config, wgrad_block_a=tile[0], wgrad_block_b=tile[1])
+        config = dataclasses.replace(HOPPER_RULE.config, wgrad_ws_tile=tile)
         with pytest.raises(ValueError, match="a 64-, 128- or 256-row tile and 32 to 128 columns in steps of 16"):
             ws.make_launcher(config, 8, True, False)
-    config = dataclasses.replace(HOPPER_RULE.config, wgrad_num_stages=6, wgrad_rows=128)
+    config = dataclasses.replace(HOPPER_RULE.config, wgrad_ws_tile=(128, 128), wgrad_num_stages=6, wgrad_rows=128)
     with pytest.raises(ValueError, match="fewer stages or rows"):
         ws.make_launcher(config, 8, True, False)
