@@ -80,10 +80,11 @@ def sanitize(obj):
 
 
 def write_json(data: dict, path: Path) -> Path:
-    """Write `data` (inf/nan as null) to `path`, creating its folder; return the path."""
+    """Write `data` (inf/nan as null) to `path` as compact JSON (results.md is the readable form), creating its
+    folder; return the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(sanitize(data), indent=1, allow_nan=False, default=str))
+    path.write_text(json.dumps(sanitize(data), separators=(",", ":"), allow_nan=False, default=str))
     return path
 
 
