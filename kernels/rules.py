@@ -257,7 +257,7 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
              "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384); the weight "
              "gradients by the persistent warp-specialized kernel with 256x128 tiles where it can take the call (0.84-"
              "0.96x the 128x128 one-program-per-tile kernel's time, 1.015x on OLMoE's dW_gate_up at T = 16384; its "
-             "128x128 tiles 1.16-1.18x, 32 rows a step 1.05-1.26x)"),
+             "128x128 tiles 1.16-1.18x, its 256x128 tiles at 32 rows a step 1.02-1.22x)"),
     Rule("experts_backward_grouped", EBC(128, 64, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3),
          m=(513, None), why="training batches on other GPUs: 128-row blocks, a 128x64 dH tile, 128x128 dX and "
                             "weight-gradient tiles, within 160 KiB of shared memory; not timed on them (on the H100: "
