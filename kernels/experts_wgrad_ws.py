@@ -210,12 +210,12 @@ def make_launcher(config: ExpertsBackwardConfig, top_k: int, a_by_token: bool, b
     (through out_strides = (expert, A axis, B axis)) = sum over e's blocks [starts[e], ends[e]) of
     a[rows]^T @ b[rows], rows by token (p // top_k) or by pair as a_by_token and b_by_token say.
 
-    config: the routing's block_m, the wgrad_ws_tile = (block_a, block_b) tile (block_a 64, 128 or
-    256, block_b a multiple of 16 from 32 to 128: one warpgroup of 4 MMA warps up to 128x128,
-    two for 256 rows; a wgmma of 256 columns needs more than the 128 registers a thread 16 warps
-    leave), wgrad_rows (or block_m) rows a step,
-    wgrad_num_stages (or num_stages) ring buffers; the loader and the epilogue take 4 warps each
-    at config.wgrad_ws_registers = (loader, epilogue) registers a thread."""
+    config: the routing's block_m; the wgrad_ws_tile = (block_a, block_b) tile: block_a 64, 128 or
+    256, block_b a multiple of 16 from 32 to 128 (one warpgroup of 4 MMA warps up to 128x128
+    elements, two above; a wgmma of 256 columns needs more than the 128 registers a thread that
+    16 warps leave); wgrad_rows (or block_m) rows a step; wgrad_num_stages (or num_stages) ring
+    buffers. The loader and the epilogue take 4 warps each at config.wgrad_ws_registers =
+    (loader, epilogue) registers a thread."""
     (block_a, block_b), rows = config.wgrad_ws_tile, config.wgrad_rows or config.block_m
     stages = config.wgrad_num_stages or config.num_stages
     if block_a not in (64, 128, 256) or block_b % 16 or not 32 <= block_b <= 128:
