@@ -40,6 +40,10 @@ class ExpertsBackwardConfig:
         wgrad_ws_tile: that kernel's output tile (its own: wgrad_block_a x wgrad_block_b stay the
             tile of the calls it leaves to the one-program-per-tile kernel).
         wgrad_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
+        dx_warp_specialized: on Hopper, run dX as the warp-specialized kernel (`experts_dx_ws.py`:
+            block_m x dx_ws_block_n tiles stepping dx_block_k over 2I, its store beside the next
+            tile's MMAs) where it can take the call, with a ring of dx_ws_stages stages;
+            dx_ws_registers: its registers a thread in its (loader, epilogue) warps.
     """
 
     block_m: int
@@ -61,6 +65,10 @@ class ExpertsBackwardConfig:
     wgrad_warp_specialized: bool = False
     wgrad_ws_tile: tuple[int, int] = (256, 128)
     wgrad_ws_registers: tuple[int, int] = (96, 64)
+    dx_warp_specialized: bool = False
+    dx_ws_block_n: int = 256
+    dx_ws_stages: int = 3
+    dx_ws_registers: tuple[int, int] = (96, 96)
 
     def __post_init__(self):
         rows = self.wgrad_rows
@@ -77,6 +85,7 @@ class ExpertsBackwardConfig:
             dh_s += " ws"
         if self.wgrad_warp_specialized:
             wg_s += f" ws {self.wgrad_ws_tile[0]}x{self.wgrad_ws_tile[1]}"
-        return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}, "
+        dx_s = f" ws {self.dx_ws_block_n} s{self.dx_ws_stages}" if self.dx_warp_specialized else ""
+        return (f"{self.block_m}: dH {self.block_n}x{self.block_k}{dh_s}, dX {self.dx_block_n}x{self.dx_block_k}{dx_s}, "
                 f"dW {self.wgrad_block_a}x{self.wgrad_block_b}{wg_s}, g{self.group_m} w{self.num_warps} "
                 f"s{self.num_stages}, {self.smem_budget_kib} KiB")

@@ -29,7 +29,8 @@ kernel, `experts_gemm._experts_gated_gemm_kernel` with STORE_PREACT), on the blo
 - `_experts_dx_kernel`, per (block, K tile): dx_pair[p] = dP[p] @ Wgu[e] [S, K], then the
   forward's fixed-order combine (`experts_gemm._experts_combine_kernel`): dx[t] = sum_j
   dx_pair[t * TOP_K + j], skipping slots of expert-parallel sentinels (ids >= E), which get
-  no row, no gradient and dw = 0.
+  no row, no gradient and dw = 0. A config with dx_warp_specialized runs the GEMM as
+  `experts_dx_ws.py` (Gluon, Hopper) where that kernel can take the call (its `can_run`).
 
 With LoRA on the experts (`make_launcher`'s low_rank), dH's G gains dout_lr[p] @ A_d[e] and dX's
 rows dP_lr[p] @ A[e] as r more K steps (`experts_low_rank_jit.low_rank_segment`), and the
@@ -45,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import experts_dh_ws, experts_wgrad_ws
+from . import experts_dh_ws, experts_dx_ws, experts_wgrad_ws
 from .configs import KernelCapability, ceil_div
 from .experts_backward_config import ExpertsBackwardConfig
 from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
@@ -323,6 +324,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
     dxn, dxk = config.dx_block_n, config.dx_block_k
     dx_kernel = variants(_experts_dx_kernel, bm * dxk + dxk * dxn, BLOCK_N=dxn, BLOCK_K=dxk, GROUP_M=config.group_m,
                          HAS_LOW_RANK=bool(lr_gu), BLOCK_R=lr_gu or 16)
+    dx_ws = experts_dx_ws.make_launcher(config, top_k) if config.dx_warp_specialized else None
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
 
     def lr_wgrad(block_a: int, block_b: int, a_by_token: bool, b_by_token: bool):
@@ -439,12 +441,15 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         if need_x:
             dx_pairs = x.new_empty((num_pairs, k))
             gs = _gate_up_strides(gate_up, layout)  # (expert, 2I-axis, K-axis)
-            lr_args = (dp_lr, a_gu, a_gu.shape[1]) if lr_gu else (dpre, dpre, 0)
-            lr_strides = (dp_lr.stride(0), *a_gu.stride()) if lr_gu else (0, 0, 0, 0)
-            dx_kernel[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
-                                 dpre, sorted_pairs, block_expert, gate_up, dx_pairs, *lr_args[:2],
-                                 num_pairs, num_blocks, k, 2 * inter, num_experts, lr_args[2],
-                                 dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0), *lr_strides)
+            if dx_ws is not None and experts_dx_ws.can_run(dpre, gate_up, gs, dx_pairs, bool(lr_gu), config):
+                dx_ws(dpre, sorted_pairs, block_expert, gate_up, gs, dx_pairs, num_experts)
+            else:
+                lr_args = (dp_lr, a_gu, a_gu.shape[1]) if lr_gu else (dpre, dpre, 0)
+                lr_strides = (dp_lr.stride(0), *a_gu.stride()) if lr_gu else (0, 0, 0, 0)
+                dx_kernel[precision](num_blocks * ceil_div(k, config.dx_block_n), device,
+                                     dpre, sorted_pairs, block_expert, gate_up, dx_pairs, *lr_args[:2],
+                                     num_pairs, num_blocks, k, 2 * inter, num_experts, lr_args[2],
+                                     dpre.stride(0), gs[0], gs[1], gs[2], dx_pairs.stride(0), *lr_strides)
             dx = x.new_empty((t, k))
             combine(t * ceil_div(k, COMBINE_BLOCK), device, dx_pairs, top_k_index, dx, k, num_experts,
                     dx_pairs.stride(0), *top_k_index.stride(), *dx.stride())

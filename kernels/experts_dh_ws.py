@@ -18,8 +18,9 @@ three groups of warps that hand work on through shared memory and mbarriers:
 - the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
   slices, gathers P's rows by pair, and writes dP, hw and dw_part.
 
-Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
-groups alike. What it takes (`can_run`): 16-bit operands, no biases and no low-rank segment,
+The loader and the MMA group are `experts_ws_jit`'s (dX's kernel, `experts_dx_ws.py`, runs them
+too). Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all
+three groups alike. What it takes (`can_run`): 16-bit operands, no biases and no low-rank segment,
 Wd in the [E, K_out, I] layout with its experts one after the other, K_out a multiple of
 block_k, I and the strides multiples of 16, 16-byte-aligned base pointers (every real model's
 contiguous experts); the rest runs the one-program-per-tile kernel. Gluon kernels run on the GPU
@@ -31,7 +32,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .device import capability, interpreting, num_sms
@@ -39,75 +40,13 @@ from .experts_backward_config import ExpertsBackwardConfig
 from .experts_jit import experts_epilogue_grad
 from .jit_common import tile_pid
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, cp_async, mma_tile_to_handoff, partition_barrier, tma_load
+from .experts_ws_jit import block_tiles_mma, gathered_rows_loader
+from .ws_jit import SHARED_MEMORY_BYTES, partition_barrier
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
 EPILOGUE_N = 16  # columns per epilogue slice: 16-byte loads and stores of P, dP and hw
-
-
-@gluon.jit
-def _loader(dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-            NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym,
-            TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-            GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
-            LOADER_WARPS: gl.constexpr):
-    """Per K step, dOut's gathered rows by cp.async and Wd[e]'s tile by TMA into the ring. A stage
-    is ready when its TMA bytes have landed (its expect) and, LAG steps after they were issued,
-    its rows (one arrive): its barrier counts 2."""
-    a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
-    tiles_n = gl.cdiv(I, BLOCK_N)
-    k_tiles = gl.cdiv(K_OUT, BLOCK_K)
-    offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
-    offs_ak = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
-    step = 0
-    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        expert = gl.load(blocks_ptr + pid_m)
-        if expert < NUM_EXPERTS:
-            pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + offs_am)
-            mask_m = pairs < NUM_PAIRS
-            tokens = pairs.to(gl.int64) // TOP_K
-            a_ptrs = dy_ptr + tokens[:, None] * stride_dym + offs_ak[None, :]  # [BLOCK_M, BLOCK_K]
-            first_row = expert.to(gl.int32) * K_OUT  # of Wd[e] in Wd seen as [E * K_out, I]
-            for ki in range(k_tiles):
-                s = step % NUM_STAGES
-                mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
-                # K_out % BLOCK_K == 0 (`can_run`): a box of Wd stays inside its expert, no K mask
-                mbarrier.expect(ready.index(s), wd_desc.block_type.nbytes)
-                tma_load(wd_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
-                cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
-                async_copy.commit_group()
-                # the rows issued LAG steps ago have landed: that stage's second arrive
-                async_copy.wait_group(LAG)
-                if step >= LAG:
-                    fence_async_shared()
-                    partition_barrier()
-                    mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
-                step += 1
-    async_copy.wait_group(0)
-    fence_async_shared()
-    partition_barrier()
-    for done in range(max(step - LAG, 0), step):
-        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
-
-
-@gluon.jit
-def _mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
-         NUM_EXPERTS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr):
-    """G tiles by wgmma over the ring, each written to the handoff buffer when done."""
-    tiles_n = gl.cdiv(I, BLOCK_N)
-    k_tiles = gl.cdiv(K_OUT, BLOCK_K)
-    step = 0
-    tiles_done = 0
-    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
-            step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready,
-                                                   handoff_free, k_tiles, step, tiles_done, BLOCK_M, BLOCK_N,
-                                                   NUM_STAGES, MMA_WARPS)
 
 
 @gluon.jit
@@ -193,11 +132,12 @@ def _experts_dh_ws_kernel(
     mbarrier.init(handoff_free, count=1)
 
     gl.warp_specialize([
-        (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_OUT, I,
-                NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-        (_loader, (dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-                   NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym,
-                   TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
+        (block_tiles_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS,
+                           K_OUT, I, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES,
+                           num_warps)),
+        (gathered_rows_loader, (dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+                                NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, TOP_K, True,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
         (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, rw_ptr, p_ptr, dp_ptr, hw_ptr, dw_ptr,
                      NUM_PAIRS, NUM_BLOCKS, I, UP_SHIFT, NUM_EXPERTS, stride_rt, stride_rj, stride_pm, stride_dpm,
                      stride_hm, stride_dwm, TOP_K, GATE_STEP, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,

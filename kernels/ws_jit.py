@@ -29,14 +29,16 @@ SHARED_MEMORY_BYTES = 227 * 1024 - 1024
 @gluon.jit
 def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, k_tiles, step, tiles_done,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False):
+                        MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False, WARPS_N: gl.constexpr = 1):
     """One [BLOCK_M, BLOCK_N] tile: sum over k_tiles ring stages (from the running `step`; none
     gives zeros) of a_ring[s] @ b_ring[s] (a_ring[s]^T where A_TRANSPOSED: stages [BLOCK_K,
     BLOCK_M]) by wgmma in fp32, then into `handoff` (in its dtype) when the epilogue has freed it
-    (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. Returns (step,
-    tiles_done) after the tile."""
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. WARPS_N: warpgroups
+    side by side along N (2: each of two warpgroups takes BLOCK_N / 2 columns, a wgmma of half
+    the width). Returns (step, tiles_done) after the tile."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
+                                                         warps_per_cta=[MMA_WARPS // WARPS_N, WARPS_N],
+                                                         instr_shape=[16, BLOCK_N // WARPS_N, 16])
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
     for ki in range(k_tiles):
         s = step % NUM_STAGES

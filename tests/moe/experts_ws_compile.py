@@ -6,7 +6,7 @@ Gluon compiles jit functions, not the interpreter's).
 
 EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp) compiles `experts_dh_ws`'s
 kernel; "wgrad_down" or "wgrad_gate_up" `experts_wgrad_ws`'s, as dW_down (A by token) or
-dW_gate_up (B by token). CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON.
+dW_gate_up (B by token); "dx" `experts_dx_ws`'s. CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON.
 
 prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
 """
@@ -20,7 +20,7 @@ import torch
 import triton
 
 from swiglu_patch.kernels import experts_dh_ws as ws
-from swiglu_patch.kernels import experts_wgrad_ws
+from swiglu_patch.kernels import experts_dx_ws, experts_wgrad_ws
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
@@ -69,6 +69,24 @@ def compile_wgrad_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, 
     return _compile(experts_wgrad_ws._experts_wgrad_ws_kernel, fixed, runtime), fixed
 
 
+def compile_dx_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype):
+    """The dX kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K = 2048, I = 768
+    specializes it, without a GPU."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t, top_k, e, k, i = 512, 8, 64, 2048, 768
+    s = t * top_k
+    fixed = dict(experts_dx_ws.make_launcher(config, top_k).constexprs, NUM_PROGRAMS=132)
+    runtime = dict(dp_ptr=torch.empty(s, 2 * i, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int64),
+                   blocks_ptr=torch.empty(s // 128, dtype=torch.int64), dx_ptr=torch.empty(s, k, dtype=dtype),
+                   NUM_PAIRS=s, NUM_BLOCKS=s // 128, K=k, N2=2 * i, NUM_EXPERTS=e, stride_dpm=2 * i, stride_dxm=k)
+    block = [config.dx_block_k, config.dx_ws_block_n]
+    runtime["w_desc"] = TensorDescriptor.from_tensor(torch.empty(e * 2 * i, k, dtype=dtype), block,
+                                                     gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
+    return _compile(experts_dx_ws._experts_dx_ws_kernel, fixed, runtime), fixed
+
+
 def _compile(kernel, fixed: dict, runtime: dict):
     """`kernel` compiled for sm_90a with constexprs `fixed` (num_warps among them) and the runtime
     arguments' types and 16-divisibility of `runtime`."""
@@ -90,10 +108,12 @@ def _compile(kernel, fixed: dict, runtime: dict):
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields = json.loads(config_json)
-    for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers"):
+    for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers", "dx_ws_registers"):
         fields[name] = tuple(fields[name])
     config, dtype = ExpertsBackwardConfig(**fields), getattr(torch, dtype_name)
-    if epilogue.startswith("wgrad_"):
+    if epilogue == "dx":
+        compiled, fixed = compile_dx_for_hopper(config, dtype)
+    elif epilogue.startswith("wgrad_"):
         compiled, fixed = compile_wgrad_for_hopper(config, dtype, epilogue)
     else:
         compiled, fixed = compile_for_hopper(config, dtype, epilogue)

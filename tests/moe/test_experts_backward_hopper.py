@@ -146,3 +146,52 @@ def test_the_warp_specialized_weight_gradient_kernel_leaves_what_it_cannot_take_
                         kernel="experts_backward_grouped", config=WGRAD_WS_CONFIG)
         expected += answers
     assert ran == expected
+
+
+# WS_CASES with 2I a multiple of the 64-wide step over 2I that the dX kernel takes (K off its 128-column tile in
+# "tails")
+DX_CASES = dict(WS_CASES, tails=(300, 6, 3, 208, 160, "uniform", torch.float16, False),
+                empty_expert=(257, 4, 2, 128, 96, "empty_expert", torch.float16, True),
+                large=(200, 4, 2, 64, 32, "uniform", torch.bfloat16, True))
+DX_WS_CONFIG = dataclasses.replace(WGRAD_WS_CONFIG, dx_warp_specialized=True)
+# the (tile width, stages) of the kernel's two MMA layouts and two handoffs
+DX_TILES = {"256_s3": (256, 3), "256_s2": (256, 2), "128_s4": (128, 4)}
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dX kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("tile", list(DX_TILES))
+@pytest.mark.parametrize("case", list(DX_CASES))
+def test_the_warp_specialized_dx_kernel(case, tile, monkeypatch):
+    """`experts_dx_ws.py` in place of the one-program-per-tile dX kernel, against float64, on the dH kernel's cases:
+    it must be the kernel that ran, and every gradient within twice torch's own error."""
+    from swiglu_patch.kernels import experts_dx_ws
+
+    t, e, top_k, k, i, skew, dtype, store = DX_CASES[case]
+    ran = _recording(monkeypatch, experts_dx_ws)
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    width, stages = DX_TILES[tile]
+    check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
+                    kernel="experts_backward_grouped",
+                    config=dataclasses.replace(DX_WS_CONFIG, dx_ws_block_n=width, dx_ws_stages=stages))
+    assert ran == [True]
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dX kernel runs on Hopper GPUs only")
+def test_the_warp_specialized_dx_kernel_leaves_what_it_cannot_take_to_the_other(monkeypatch):
+    """The transposed layout (Wgu's K axis strided) and 2I off a multiple of the 64-wide step run `_experts_dx_kernel`;
+    a bias does not stop it. Every gradient still checked."""
+    from swiglu_patch.kernels import experts_dx_ws
+
+    ran = _recording(monkeypatch, experts_dx_ws)
+    for layout, bias, i in ((LAYOUTS[1], False, 32), (LAYOUTS[0], False, 40), (LAYOUTS[0], True, 32)):
+        w = expert_weights(4, 64, i, layout, bias, torch.bfloat16)
+        x = torch.randn(40, 64).to(DEVICE, torch.bfloat16)
+        index, weights = routing(40, 4, 2)
+        check_gradients(x, index, weights, w, EPILOGUES["silu"], layout, torch.bfloat16,
+                        kernel="experts_backward_grouped", config=DX_WS_CONFIG)
+    assert ran == [False, False, True]

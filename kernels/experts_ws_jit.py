@@ -1,0 +1,91 @@
+"""The loader and MMA partitions of the experts' per-block warp-specialized Hopper kernels, in Gluon.
+
+Shared by `experts_dh_ws.py` (G = dOut[t] @ Wd[e]) and `experts_dx_ws.py` (dx_pair = dP[p] @
+Wgu[e]): per (block of BLOCK_M pairs of one expert e, N tile), the sum over the reduction axis
+(K_RED) of A[row(p)] @ W[e], with A's rows gathered by pair or by token (A_BY_TOKEN: p // TOP_K)
+and W[e] read as [K_RED, N] boxes of W seen as [E * K_RED, N] (the experts one after the other,
+N contiguous, K_RED a multiple of BLOCK_K: a box never reaches into the next expert). Tiles are
+walked in grouped order (`jit_common.tile_pid`), NUM_PROGRAMS apart; blocks of no expert (ids >=
+NUM_EXPERTS: padding) are skipped by every partition alike.
+
+- `gathered_rows_loader`: per K step, A's [BLOCK_M, BLOCK_K] rows by cp.async (Hopper's TMA has
+  no row gather) and W's [BLOCK_K, BLOCK_N] box by TMA into a ring of NUM_STAGES buffers; a
+  stage's ready barrier counts 2: the TMA's expect, and one arrive LAG steps after its rows were
+  issued, once they have landed and are fenced for the tensor cores;
+- `block_tiles_mma`: each tile by wgmma over the ring (`ws_jit.mma_tile_to_handoff`) into the
+  shared handoff buffer, which the kernel's own epilogue partition reads.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+
+from .jit_common import tile_pid
+from .ws_jit import cp_async, mma_tile_to_handoff, partition_barrier, tma_load
+
+
+@gluon.jit
+def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+                         NUM_PAIRS, NUM_BLOCKS, K_RED, N, NUM_EXPERTS, stride_am,
+                         TOP_K: gl.constexpr, A_BY_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                         NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
+                         LOADER_WARPS: gl.constexpr):
+    """Per K step, A's gathered rows by cp.async and W[e]'s box by TMA into the ring."""
+    a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K_RED, BLOCK_K)
+    offs_am = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+    offs_ak = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    step = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        expert = gl.load(blocks_ptr + pid_m)
+        if expert < NUM_EXPERTS:
+            pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + offs_am)
+            mask_m = pairs < NUM_PAIRS
+            rows = pairs.to(gl.int64)
+            if A_BY_TOKEN:
+                rows = rows // TOP_K
+            a_ptrs = a_ptr + rows[:, None] * stride_am + offs_ak[None, :]  # [BLOCK_M, BLOCK_K]
+            first_row = expert.to(gl.int32) * K_RED  # of W[e] in W seen as [E * K_RED, N]
+            for ki in range(k_tiles):
+                s = step % NUM_STAGES
+                mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+                # K_RED % BLOCK_K == 0 (the kernels' `can_run`): a box stays inside its expert, no K mask
+                mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+                tma_load(w_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
+                cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
+                async_copy.commit_group()
+                # the rows issued LAG steps ago have landed: that stage's second arrive
+                async_copy.wait_group(LAG)
+                if step >= LAG:
+                    fence_async_shared()
+                    partition_barrier()
+                    mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
+                step += 1
+    async_copy.wait_group(0)
+    fence_async_shared()
+    partition_barrier()
+    for done in range(max(step - LAG, 0), step):
+        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def block_tiles_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_RED,
+                    N, NUM_EXPERTS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    MMA_WARPS: gl.constexpr, WARPS_N: gl.constexpr = 1):
+    """Each [BLOCK_M, BLOCK_N] tile of a block with an expert by wgmma over the ring, into the handoff when done."""
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_tiles = gl.cdiv(K_RED, BLOCK_K)
+    step = 0
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
+            step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready,
+                                                   handoff_free, k_tiles, step, tiles_done, BLOCK_M, BLOCK_N,
+                                                   NUM_STAGES, MMA_WARPS, WARPS_N=WARPS_N)

@@ -1,0 +1,56 @@
+"""The experts backward's warp-specialized dX kernel (`experts_dx_ws.py`, Gluon, Hopper) where no GPU
+is: it compiles for sm_90a with the Hopper rule's tiles inside Hopper's shared memory and without
+register spills, and what it cannot take is refused. Its numerics run on the GPU, in
+`test_experts_backward_hopper.py` (`test_the_warp_specialized_dx_kernel`: every gradient against
+float64)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from swiglu_patch.kernels import experts_dx_ws as ws
+from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+HOPPER_RULE = next(r for r in EXPERTS_BACKWARD_RULES if r.gpus)
+# 128x256 tiles (two MMA warpgroups side by side) at 3 stages with a 16-bit handoff and at 2 with an fp32 one, and
+# 128x128 tiles (one warpgroup) at 4 stages
+CONFIGS = [dataclasses.replace(HOPPER_RULE.config, dx_warp_specialized=True, dx_ws_block_n=256, dx_ws_stages=3),
+           dataclasses.replace(HOPPER_RULE.config, dx_warp_specialized=True, dx_ws_block_n=256, dx_ws_stages=2),
+           dataclasses.replace(HOPPER_RULE.config, dx_warp_specialized=True, dx_ws_block_n=128, dx_ws_stages=4)]
+
+
+@pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.short())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_it_compiles_for_hopper_without_spills(config, dtype, tmp_path):
+    # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    args = [sys.executable, str(Path(__file__).with_name("experts_ws_compile.py")), str(dtype).replace("torch.", ""),
+            "dx", str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
+    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
+                           check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
+    assert " STACK:0 " in usage and " LOCAL:0 " in usage, usage
+
+
+def test_a_cpu_call_or_what_it_cannot_take_is_refused():
+    dp, gate_up, dx = (torch.randn(8, 128, dtype=torch.bfloat16), torch.randn(2, 128, 64, dtype=torch.bfloat16),
+                       torch.randn(8, 64, dtype=torch.bfloat16))
+    assert not ws.can_run(dp, gate_up, gate_up.stride(), dx, False, CONFIGS[0])  # on CPU
+    for tiles in ((64, 128, 64), (128, 136, 64), (128, 192, 64)):
+        config = dataclasses.replace(CONFIGS[0], block_m=tiles[0], dx_ws_block_n=tiles[1], dx_block_k=tiles[2])
+        with pytest.raises(ValueError, match="128-row blocks and dx_ws_block_n a multiple of 16"):
+            ws.make_launcher(config, 2)
+    with pytest.raises(ValueError, match="fewer stages"):
+        ws.make_launcher(dataclasses.replace(CONFIGS[0], dx_ws_stages=5), 2)
