@@ -174,6 +174,9 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gat
     block_k steps, dh_num_stages (or num_stages) ring buffers, group_m; the loader and the epilogue
     take 4 warps each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
     stages = config.dh_num_stages or config.num_stages
+    if stages < 3:  # the loader signals a stage LAG >= 1 steps late and the MMA holds one wgmma in flight
+        raise ValueError(f"experts_dh_ws: a ring of at least 3 stages, got {stages} (with 2 the loader and the MMA group "
+                         f"wait on each other)")
     if config.block_m != 128 or config.block_n % EPILOGUE_N or config.block_n > 128 or config.block_k > 256:
         raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 128, got "
                          f"{config.block_m}x{config.block_n}x{config.block_k}")

@@ -131,6 +131,9 @@ def make_launcher(config: ExpertsBackwardConfig, top_k: int):
     ring buffers, group_m; the loader and the epilogue take 4 warps each at
     config.dx_ws_registers = (loader, epilogue) registers a thread."""
     stages = config.dx_ws_stages
+    if stages < 3:  # the loader signals a stage LAG >= 1 steps late and the MMA holds one wgmma in flight
+        raise ValueError(f"experts_dx_ws: a ring of at least 3 stages, got {stages} (with 2 the loader and the MMA group "
+                         f"wait on each other)")
     bm, bn, bk = config.block_m, config.dx_ws_block_n, config.dx_block_k
     if bm != 128 or not (bn % 16 == 0 and 32 <= bn <= 128 or bn == 256) or bk > 256:
         raise ValueError(f"experts_dx_ws: 128-row blocks and dx_ws_block_n a multiple of 16 from 32 to 128 or 256, got "

@@ -218,6 +218,9 @@ def make_launcher(config: ExpertsBackwardConfig, top_k: int, a_by_token: bool, b
     (loader, epilogue) registers a thread."""
     (block_a, block_b), rows = config.wgrad_ws_tile, config.wgrad_rows or config.block_m
     stages = config.wgrad_num_stages or config.num_stages
+    if stages < 3:  # the loader signals a stage LAG >= 1 steps late and the MMA holds one wgmma in flight
+        raise ValueError(f"experts_wgrad_ws: a ring of at least 3 stages, got {stages} (with 2 the loader and the MMA group "
+                         f"wait on each other)")
     if block_a not in (64, 128, 256) or block_b % 16 or not 32 <= block_b <= 128:
         raise ValueError(f"experts_wgrad_ws: a 64-, 128- or 256-row tile and 32 to 128 columns in steps of 16, got "
                          f"{block_a}x{block_b}")

@@ -155,7 +155,7 @@ DX_CASES = dict(WS_CASES, tails=(300, 6, 3, 208, 160, "uniform", torch.float16, 
                 large=(200, 4, 2, 64, 32, "uniform", torch.bfloat16, True))
 DX_WS_CONFIG = dataclasses.replace(WGRAD_WS_CONFIG, dx_warp_specialized=True)
 # the (tile width, stages) of the kernel's two MMA layouts and two handoffs
-DX_TILES = {"256_s3": (256, 3), "256_s2": (256, 2), "128_s4": (128, 4)}
+DX_TILES = {"256_s3": (256, 3), "128_s4": (128, 4)}
 
 
 @pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dX kernel runs on Hopper GPUs only")
