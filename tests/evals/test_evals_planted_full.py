@@ -24,6 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "gemma3_planted.json"
 FLAGGED = {"clean": False, "swap_gate_up": True, "zero_16": True}
+# checks that must be among a flagged defect's: swapping gate and up scatters the answers; zeroing 16 channels moves
+# few (5 of the 50 with torch 2.13.0+cpu, transformers 5.24.0, fused alone departing on 4: p = 0.095, where the answers
+# check needs 7 at n = 50) but shifts 48 of their log-likelihoods, which the log-likelihood check flags
+ANSWER_FLAGGED = {"swap_gate_up": {"answers"}, "zero_16": set()}
 
 
 @pytest.fixture(scope="module")
@@ -52,5 +56,6 @@ def test_full_model_verdicts(full, name):
     q, t = questions[name]["questions"], tokens[name]
     assert (q["label"] == "DIFFERENCE") == FLAGGED[name], (name, q["flagged"], questions[name]["changed"])
     assert (t["label"] == "DIFFERENCE") == FLAGGED[name], (name, t["flagged"], t["ratios"])
-    if FLAGGED[name]:  # near chance, accuracy alone does not see them; the answers do
-        assert "answers" in q["flagged"] and not any(f.startswith("accuracy") for f in q["flagged"])
+    if FLAGGED[name]:  # near chance, accuracy alone does not see them; the answers or the log-likelihoods do
+        assert not any(f.startswith("accuracy") for f in q["flagged"]), q["flagged"]
+        assert ANSWER_FLAGGED[name] <= set(q["flagged"]) and {"answers", "logliks"} & set(q["flagged"]), q["flagged"]

@@ -34,6 +34,7 @@ from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayou
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # conftest turns the interpreter on where CUDA is absent
 LR, LOSS_TOL, PARAM_TOL, MIN_MOVE = 0.5, 1e-6, 1e-5, 1e-3
+ROUNDING, NOISE_FACTOR = 1e-7, 10.0  # `_rounding_sensitivity`'s change, and how far past it a parameter may land
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
+def _rounding_sensitivity(model_type: str, ids, stepped: dict) -> dict:
+    """{parameter name: max-abs / scale} between eager's `stepped` parameters and those of eager's own step from
+    the same build with its 3-D experts weights scaled by 1 + ROUNDING (a change of float rounding's size): how
+    far rounding alone moves each parameter's step (some families amplify it past PARAM_TOL: GLM-5-Next's
+    hyper-connection bases, 6e-6 from 1e-7)."""
+    perturbed = build(model_type).model.to(DEVICE).train()
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            if p.dim() == 3:
+                p.mul_(1 + ROUNDING)
+    _step(perturbed, ids)
+    return {n: _rel(p.detach(), stepped[n].detach()) for n, p in perturbed.named_parameters()}
+
+
 def _trains_as_eager(model_type: str, backend: str):
     built = build(model_type)
     eager = built.model.to(DEVICE).train()
@@ -85,8 +100,13 @@ def _trains_as_eager(model_type: str, backend: str):
     mine, theirs = dict(patched.named_parameters()), dict(eager.named_parameters())
     assert mine.keys() == theirs.keys()
     errors = {n: _rel(mine[n].detach(), theirs[n].detach()) for n in theirs}
-    bad = {n: f"{e:.3g}" for n, e in errors.items() if not e <= PARAM_TOL}
-    assert not bad, f"parameters off eager's after one step (max-abs / scale, tolerance {PARAM_TOL:g}): {bad}"
+    bad = {n: e for n, e in errors.items() if not e <= PARAM_TOL}
+    if bad:  # parameters whose step eager's own float rounding moves by more than PARAM_TOL
+        noise = _rounding_sensitivity(model_type, ids, theirs)
+        bad = {n: f"{e:.3g} (eager's own {noise[n]:.3g})" for n, e in bad.items() if not e <= NOISE_FACTOR * noise[n]}
+    assert not bad, (f"parameters off eager's after one step (max-abs / scale, tolerance {PARAM_TOL:g}, or "
+                     f"{NOISE_FACTOR:g}x what eager's own step moves when its experts' weights change by "
+                     f"{ROUNDING:g} of themselves): {bad}")
     moved = max(_rel(theirs[n].detach(), before[n]) for n in before)
     assert moved >= MIN_MOVE, f"the step moved the 3-D weights by only {moved:.3g} of their scale"
 
