@@ -35,7 +35,7 @@ from .experts_backward_config import ExpertsBackwardConfig
 from .experts_ws_jit import block_tiles_mma, gathered_rows_loader
 from .jit_common import tile_pid
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, partition_barrier
+from .ws_jit import SHARED_MEMORY_BYTES, partition_barrier, ring_barriers
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 LOADER_WARPS = 4
@@ -82,15 +82,8 @@ def _experts_dx_ws_kernel(
     handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dtype
     handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_M, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], handoff_dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=2)  # the weight box's expect, and the rows' arrive
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(handoff_ready, count=1)
-    mbarrier.init(handoff_free, count=1)
+    # a stage's ready barrier: the weight box's expect, and the rows' arrive
+    ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 2)
 
     gl.warp_specialize([
         (block_tiles_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS,

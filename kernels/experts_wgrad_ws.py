@@ -36,12 +36,13 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
 
 from .device import capability, interpreting, num_sms
 from .experts_backward_config import ExpertsBackwardConfig
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, cp_async, mma_tile_to_handoff, partition_barrier
+from .ws_jit import (SHARED_MEMORY_BYTES, cp_async, last_rows_landed, mma_tile_to_handoff, partition_barrier,
+                     ring_barriers, rows_landed)
 
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
@@ -96,18 +97,9 @@ def _loader(a_ptr, b_ptr, pairs_ptr, starts_ptr, ends_ptr, a_ring, b_ring, ready
             _gather_rows(b_ring.index(s), b_ptr, pairs_ptr, row_step * ROWS, offs_rb, cols_b, NUM_PAIRS, B_COLS,
                          stride_bm, TOP_K, B_BY_TOKEN)
             async_copy.commit_group()
-            # the rows issued LAG steps ago have landed: that stage is ready
-            async_copy.wait_group(LAG)
-            if step >= LAG:
-                fence_async_shared()
-                partition_barrier()
-                mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
+            rows_landed(ready, step, LAG, NUM_STAGES)  # the stage issued LAG steps ago is ready
             step += 1
-    async_copy.wait_group(0)
-    fence_async_shared()
-    partition_barrier()
-    for done in range(max(step - LAG, 0), step):
-        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
+    last_rows_landed(ready, step, LAG, NUM_STAGES)
 
 
 @gluon.jit
@@ -169,15 +161,7 @@ def _experts_wgrad_ws_kernel(
     handoff_dtype: gl.constexpr = gl.float32 if HANDOFF_FP32 else dtype
     handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_A, BLOCK_B],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_A, BLOCK_B], handoff_dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(handoff_ready, count=1)
-    mbarrier.init(handoff_free, count=1)
+    ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 1)  # ready: the rows' arrive
 
     gl.warp_specialize([
         (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, starts_ptr, ends_ptr, A_COLS,

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
 
 from .jit_common import tile_pid
-from .ws_jit import cp_async, mma_tile_to_handoff, partition_barrier, tma_load
+from .ws_jit import cp_async, last_rows_landed, mma_tile_to_handoff, rows_landed, tma_load
 
 
 @gluon.jit
@@ -59,18 +59,9 @@ def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, r
                 tma_load(w_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))
                 cp_async(a_ring.index(s), a_ptrs + ki * BLOCK_K, mask=mask_m[:, None])
                 async_copy.commit_group()
-                # the rows issued LAG steps ago have landed: that stage's second arrive
-                async_copy.wait_group(LAG)
-                if step >= LAG:
-                    fence_async_shared()
-                    partition_barrier()
-                    mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
+                rows_landed(ready, step, LAG, NUM_STAGES)  # a stage's second arrive, LAG steps late
                 step += 1
-    async_copy.wait_group(0)
-    fence_async_shared()
-    partition_barrier()
-    for done in range(max(step - LAG, 0), step):
-        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
+    last_rows_landed(ready, step, LAG, NUM_STAGES)
 
 
 @gluon.jit

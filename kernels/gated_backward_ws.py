@@ -51,7 +51,7 @@ from .device import capability, interpreting, num_sms, tma_operands_ok
 from .jit_common import gated_epilogue_grad, tile_pid
 from .launcher import FastLaunch
 from .layout import GATE_UP_BLOCK
-from .ws_jit import SHARED_MEMORY_BYTES, mma_tile_to_handoff, partition_barrier, tma_load
+from .ws_jit import SHARED_MEMORY_BYTES, mma_tile_to_handoff, partition_barrier, ring_barriers, tma_load
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -166,15 +166,7 @@ def _gated_backward_ws_kernel(
     b_ring = gl.allocate_shared_memory(wd_desc.dtype, [NUM_STAGES] + wd_desc.block_type.shape, wd_desc.layout)
     handoff = gl.allocate_shared_memory(handoff_dtype, [BLOCK_SIZE_M, BLOCK_SIZE_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_SIZE_M, BLOCK_SIZE_N], handoff_dtype))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    mbarrier.init(handoff_ready, count=1)
-    mbarrier.init(handoff_free, count=1)
+    ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 1)  # ready: the TMA loads' expect
 
     gl.warp_specialize([
         (_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, M, I, K,

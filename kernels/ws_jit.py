@@ -3,6 +3,9 @@
 
 - `partition_barrier`, `tma_load`, `cp_async`: names that changed between Triton 3.6 and 3.9, aliased;
 - `SHARED_MEMORY_BYTES`: Hopper's shared memory per block less the mbarriers';
+- `ring_barriers`: the ring's and the handoff's mbarriers, allocated and initialised;
+- `rows_landed`, `last_rows_landed`: a loader's cp.async protocol: a stage's rows are waited
+  for LAG steps after they were issued, fenced for the tensor cores, and signalled;
 - `mma_tile_to_handoff`: the MMA partition's work for one tile: wgmma over the operand ring into
   an fp32 accumulator, each stage released as soon as its MMA retires, then the accumulator
   written into the shared handoff buffer once the epilogue partition has freed it.
@@ -13,8 +16,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 # A barrier across one partition's warps: `thread_barrier` in Triton 3.6, `barrier` in 3.9.
 partition_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -24,6 +27,44 @@ tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glob
 cp_async = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 # Hopper's shared memory per block (227 KiB) less 1 KiB for the mbarriers.
 SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+
+
+@gluon.jit
+def ring_barriers(NUM_STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
+    """(ready [NUM_STAGES], empty [NUM_STAGES], handoff_ready, handoff_free): mbarriers in shared memory,
+    initialised; a stage's ready barrier counts READY_COUNT arrivals, every other one 1."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    handoff_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    handoff_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=READY_COUNT)
+        mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(handoff_ready, count=1)
+    mbarrier.init(handoff_free, count=1)
+    return ready, empty, handoff_ready, handoff_free
+
+
+@gluon.jit
+def rows_landed(ready, step, LAG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """After a loader commits step `step`'s cp.async group: once the rows issued LAG steps ago have landed,
+    fence them for the tensor cores and arrive on their stage's ready barrier."""
+    async_copy.wait_group(LAG)
+    if step >= LAG:
+        fence_async_shared()
+        partition_barrier()
+        mbarrier.arrive(ready.index((step - LAG) % NUM_STAGES), count=1)
+
+
+@gluon.jit
+def last_rows_landed(ready, step, LAG: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """After a loader's last step (`step` steps issued): every group landed, fenced, and the stages not yet
+    signalled arrived on."""
+    async_copy.wait_group(0)
+    fence_async_shared()
+    partition_barrier()
+    for done in range(max(step - LAG, 0), step):
+        mbarrier.arrive(ready.index(done % NUM_STAGES), count=1)
 
 
 @gluon.jit
