@@ -38,17 +38,18 @@ WS_CASES = {
 }
 
 
-@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
-@pytest.mark.parametrize("case", list(WS_CASES))
-def test_the_warp_specialized_dh_kernel(case, monkeypatch):
-    """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
-    kernel that ran (no fallback), and every gradient within twice torch's own error."""
-    from swiglu_patch.kernels import experts_dh_ws
+def _recording(monkeypatch, module):
+    """What `module.can_run` answers, call by call, from here on."""
+    answers, can_run = [], module.can_run
+    monkeypatch.setattr(module, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
+    return answers
 
-    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
-    ran = []
-    can_run = experts_dh_ws.can_run
-    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+
+def _check_case(cases: dict, case: str, config) -> None:
+    """`check_gradients` on one of `cases` (tokens, experts, top-k, K, I, routing, dtype, store; "large": inputs and
+    weights of scale 8, "sentinels": every other token's second slot on an expert-parallel sentinel), SwiGLU
+    experts in the [E, 2I, K] layout without biases, with `config`'s tiles."""
+    t, e, top_k, k, i, skew, dtype, store = cases[case]
     scale = 8.0 if case == "large" else 1.0
     w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
     x = torch.randn(t, k).to(DEVICE, dtype) * scale
@@ -56,7 +57,18 @@ def test_the_warp_specialized_dh_kernel(case, monkeypatch):
     if case == "sentinels":
         index[::2, 1] = e
     check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-           kernel="experts_backward_grouped", config=WS_CONFIG)
+                    kernel="experts_backward_grouped", config=config)
+
+
+@pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_the_warp_specialized_dh_kernel(case, monkeypatch):
+    """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
+    kernel that ran (no fallback), and every gradient within twice torch's own error."""
+    from swiglu_patch.kernels import experts_dh_ws
+
+    ran = _recording(monkeypatch, experts_dh_ws)
+    _check_case(WS_CASES, case, WS_CONFIG)
     assert ran == [True]
 
 
@@ -66,9 +78,7 @@ def test_the_warp_specialized_dh_kernel_leaves_what_it_cannot_take_to_the_other(
     the one-program-per-tile kernel."""
     from swiglu_patch.kernels import experts_dh_ws
 
-    ran = []
-    can_run = experts_dh_ws.can_run
-    monkeypatch.setattr(experts_dh_ws, "can_run", lambda *a: ran.append(can_run(*a)) or ran[-1])
+    ran = _recording(monkeypatch, experts_dh_ws)
     for layout, bias, k, i in ((LAYOUTS[0], True, 64, 32), (LAYOUTS[1], False, 64, 32), (LAYOUTS[0], False, 208, 32),
                                (LAYOUTS[0], False, 64, 120)):
         w = expert_weights(4, k, i, layout, bias, torch.bfloat16)
@@ -94,13 +104,6 @@ def test_gpt_oss_experts_on_the_hopper_rule(store):
     check_gradients(x, index, weights, w, EPILOGUES["gpt_oss"], layout, torch.bfloat16, store)
 
 
-def _recording(monkeypatch, module):
-    """What `module.can_run` answers, call by call, from here on."""
-    answers, can_run = [], module.can_run
-    monkeypatch.setattr(module, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
-    return answers
-
-
 @pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized weight-gradient kernel runs on Hopper GPUs only")
 @pytest.mark.parametrize("block_a", [128, 256])
 @pytest.mark.parametrize("case", list(WS_CASES))
@@ -112,17 +115,8 @@ def test_the_warp_specialized_weight_gradient_kernel(case, block_a, monkeypatch)
     256x128 (two, a 16-bit handoff)."""
     from swiglu_patch.kernels import experts_wgrad_ws
 
-    t, e, top_k, k, i, skew, dtype, store = WS_CASES[case]
     ran = _recording(monkeypatch, experts_wgrad_ws)
-    scale = 8.0 if case == "large" else 1.0
-    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
-    check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-                    kernel="experts_backward_grouped",
-                    config=dataclasses.replace(WGRAD_WS_CONFIG, wgrad_ws_tile=(block_a, 128)))
+    _check_case(WS_CASES, case, dataclasses.replace(WGRAD_WS_CONFIG, wgrad_ws_tile=(block_a, 128)))
     assert ran == [True, True]
 
 
@@ -166,18 +160,9 @@ def test_the_warp_specialized_dx_kernel(case, tile, monkeypatch):
     it must be the kernel that ran, and every gradient within twice torch's own error."""
     from swiglu_patch.kernels import experts_dx_ws
 
-    t, e, top_k, k, i, skew, dtype, store = DX_CASES[case]
     ran = _recording(monkeypatch, experts_dx_ws)
-    scale = 8.0 if case == "large" else 1.0
-    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
     width, stages = DX_TILES[tile]
-    check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
-                    kernel="experts_backward_grouped",
-                    config=dataclasses.replace(DX_WS_CONFIG, dx_ws_block_n=width, dx_ws_stages=stages))
+    _check_case(DX_CASES, case, dataclasses.replace(DX_WS_CONFIG, dx_ws_block_n=width, dx_ws_stages=stages))
     assert ran == [True]
 
 
