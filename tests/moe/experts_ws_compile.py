@@ -1,6 +1,7 @@
-"""Compile the experts backward's warp-specialized kernels for sm_90a without a GPU (run by
-`test_experts_dh_ws.py` and `test_experts_wgrad_ws.py` in a process without TRITON_INTERPRET:
-Gluon compiles jit functions, not the interpreter's).
+"""Compile the experts backward's warp-specialized kernels for sm_90a without a GPU: run by
+`compile_in_subprocess` (for `test_experts_dh_ws.py`, `test_experts_wgrad_ws.py` and
+`test_experts_dx_ws.py`) in a process without TRITON_INTERPRET, since Gluon compiles jit
+functions, not the interpreter's.
 
     python experts_ws_compile.py DTYPE EPILOGUE CUBIN_OUT CONFIG_JSON
 
@@ -13,8 +14,12 @@ prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -24,6 +29,22 @@ from swiglu_patch.kernels import experts_dx_ws, experts_wgrad_ws
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
+
+
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_in_subprocess(dtype: torch.dtype, mode: str, config: ExpertsBackwardConfig, out_dir: Path) -> tuple[dict, str]:
+    """This script run on (dtype, mode, config) in a process of its own without TRITON_INTERPRET (Gluon
+    compiles jit functions, not the interpreter's): (what it printed, `cuobjdump -res-usage` of the cubin,
+    "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack or local memory)."""
+    cubin = out_dir / "kernel.cubin"
+    args = [sys.executable, __file__, str(dtype).replace("torch.", ""), mode, str(cubin),
+            json.dumps(dataclasses.asdict(config))]
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return result, usage
 
 
 def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilogue: str):

@@ -6,21 +6,16 @@ register spills, and what it cannot take is refused. Its numerics run on the GPU
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
+from moe.experts_ws_compile import CUOBJDUMP, compile_in_subprocess
 from swiglu_patch.kernels import experts_dh_ws as ws
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 HOPPER_RULE = next(r for r in EXPERTS_BACKWARD_RULES if r.gpus)
 # the Hopper rule's tiles with the kernel on, and with the deepest ring beside the fp32 handoff
 CONFIGS = [dataclasses.replace(HOPPER_RULE.config, dh_warp_specialized=True),
@@ -32,15 +27,9 @@ CONFIGS = [dataclasses.replace(HOPPER_RULE.config, dh_warp_specialized=True),
 @pytest.mark.parametrize("dtype,epilogue", [(torch.bfloat16, "silu"), (torch.float16, "gelu_tanh"),
                                             (torch.bfloat16, "gpt_oss")])
 def test_it_compiles_for_hopper_without_spills(config, dtype, epilogue, tmp_path):
-    # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    args = [sys.executable, str(Path(__file__).with_name("experts_ws_compile.py")), str(dtype).replace("torch.", ""),
-            epilogue, str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
-    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    result, usage = compile_in_subprocess(dtype, epilogue, config, tmp_path)
     assert result["HANDOFF_FP32"], result  # 128x128 tiles: the fp32 handoff fits beside 4 and 5 stages
     assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
-    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
-                           check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
     assert " STACK:0 " in usage and " LOCAL:0 " in usage, usage
 
 

@@ -7,20 +7,15 @@ float64)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
+from moe.experts_ws_compile import CUOBJDUMP, compile_in_subprocess
 from swiglu_patch.kernels import experts_dx_ws as ws
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 HOPPER_RULE = next(r for r in EXPERTS_BACKWARD_RULES if r.gpus)
 # 128x256 tiles (two MMA warpgroups side by side) at 3 stages with a 16-bit handoff, and 128x128 tiles (one
 # warpgroup) at 4 stages with an fp32 one
@@ -32,14 +27,8 @@ CONFIGS = [dataclasses.replace(HOPPER_RULE.config, dx_warp_specialized=True, dx_
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.short())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_it_compiles_for_hopper_without_spills(config, dtype, tmp_path):
-    # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    args = [sys.executable, str(Path(__file__).with_name("experts_ws_compile.py")), str(dtype).replace("torch.", ""),
-            "dx", str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
-    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    result, usage = compile_in_subprocess(dtype, "dx", config, tmp_path)
     assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
-    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
-                           check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
     assert " STACK:0 " in usage and " LOCAL:0 " in usage, usage
 
 

@@ -7,20 +7,15 @@ is refused. Its numerics run on the GPU, in `test_experts_backward_hopper.py`
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
+from moe.experts_ws_compile import CUOBJDUMP, compile_in_subprocess
 from swiglu_patch.kernels import experts_wgrad_ws as ws
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 HOPPER_RULE = next(r for r in EXPERTS_BACKWARD_RULES if r.gpus)
 # the Hopper rule's (256x128 tiles: two MMA warpgroups, a 16-bit handoff), and 128x128 tiles (one, an fp32 handoff)
 # at the rule's stages and at the deepest ring beside that handoff
@@ -35,15 +30,9 @@ CONFIGS = [dataclasses.replace(HOPPER_RULE.config, wgrad_warp_specialized=True),
 @pytest.mark.parametrize("dtype,which", [(torch.bfloat16, "wgrad_down"), (torch.bfloat16, "wgrad_gate_up"),
                                          (torch.float16, "wgrad_gate_up")])
 def test_it_compiles_for_hopper_without_spills(config, dtype, which, tmp_path):
-    # Gluon compiles jit functions, not the interpreter's: a process of its own, without TRITON_INTERPRET
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    args = [sys.executable, str(Path(__file__).with_name("experts_ws_compile.py")), str(dtype).replace("torch.", ""),
-            which, str(tmp_path / "kernel.cubin"), json.dumps(dataclasses.asdict(config))]
-    result = json.loads(subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout)
+    result, usage = compile_in_subprocess(dtype, which, config, tmp_path)
     assert result["HANDOFF_FP32"] == (config.wgrad_ws_tile[0] == 128), result
     assert result["shared"] <= ws.SHARED_MEMORY_BYTES + 1024, result["shared"]
-    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / "kernel.cubin")], capture_output=True, text=True,
-                           check=True).stdout  # "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack
     assert " STACK:0 " in usage and " LOCAL:0 " in usage, usage
 
 
