@@ -68,10 +68,18 @@ TINY = MoEShape("tiny", 64, 48, 8, 2)
 
 
 def sweep_configs() -> dict:
-    """Candidate (kernel, config) of ours that --sweep times beside the rule's choice."""
+    """Candidate (kernel, config) of ours that --sweep times beside the rule's choice; "triton", "ws" and "ws_s4":
+    the prefill tiles (128x(2*128)x64) with the gated GEMM by the one-program-per-tile kernel, by the
+    warp-specialized one (`experts_gated_ws.py`, 3 stages) and by it at 4 stages."""
+    from dataclasses import replace
+
     from swiglu_patch.kernels.configs import ExpertsConfig as C
 
+    prefill = C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)
     return {
+        "triton": ("experts_grouped", prefill),
+        "ws": ("experts_grouped", replace(prefill, warp_specialized=True)),
+        "ws_s4": ("experts_grouped", replace(prefill, warp_specialized=True, ws_stages=4)),
         "g16_32x256s3": ("experts_grouped", C(16, 32, 256, 32, 256, group_m=8, num_warps=4, num_stages=3)),
         "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
         "g16_32x256s4d64": ("experts_grouped", C(16, 32, 256, 64, 128, group_m=8, num_warps=4, num_stages=4)),
@@ -100,7 +108,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-rows", type=int, default=64, help="tokens checked against float64 per row")
     p.add_argument("--rep-ms", type=float, default=30.0, help="GPU ms of timed calls per way and row")
     p.add_argument("--host-calls", type=int, default=40, help="host-time calls per way at T <= 32 (0: none)")
-    p.add_argument("--sweep", action="store_true", help="also time each candidate config of ours (SWEEP) per row")
+    p.add_argument("--sweep", action="store_true", help="also time candidate configs of ours per row")
+    p.add_argument("--sweep-configs", nargs="+", choices=list(sweep_configs()),
+                   help="the candidates --sweep times (default: all)")
+    p.add_argument("--preact", action="store_true",
+                   help="ours (and the sweep) run training's store-mode forward, which also writes P [T k, 2I]; "
+                        "the other ways are unchanged")
     p.add_argument("--commit", help="git commit to record (the device's copy of the tree may have no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry-run", action="store_true", help="CPU: tiny shape, fp32, Triton interpreter, no timing")
@@ -152,13 +165,17 @@ def layout_of(module):
     return experts_spec(module)
 
 
-def ours_fn(module, x, idx, w, kernel: str = "auto", config=None):
+def ours_fn(module, x, idx, w, kernel: str = "auto", config=None, preact: bool = False):
+    """Our experts block as a call returning its output; with preact, store mode's forward (P written too)."""
     from swiglu_patch.kernels.experts import experts_forward
+    from swiglu_patch.kernels.experts_backward import experts_forward_with_preact
 
     spec = layout_of(module)
-    gb, db = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
-    return lambda: experts_forward(x, idx, w, module.gate_up_proj, module.down_proj, spec.epilogue, spec.layout, gb, db,
-                                   kernel=kernel, config=config)
+    args = (x, idx, w, module.gate_up_proj, module.down_proj, spec.epilogue, spec.layout,
+            getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None))
+    if preact:
+        return lambda: experts_forward_with_preact(*args, kernel=kernel, config=config)[0]
+    return lambda: experts_forward(*args, kernel=kernel, config=config)
 
 
 def hf_fn(module, name: str, x, idx, w):
@@ -225,7 +242,7 @@ def run(args: argparse.Namespace) -> dict:
             for tokens in tokens_list:
                 idx, w = routing(shape, tokens, kind, device, args.seed)
                 x = torch.randn(tokens, shape.k, generator=torch.Generator().manual_seed(tokens)).to(device, dtype)
-                fns = {"ours": ours_fn(module, x, idx, w)}
+                fns = {"ours": ours_fn(module, x, idx, w, preact=args.preact)}
                 for way in ("grouped_mm", "batched_mm", "eager"):
                     if way not in ways or (way == "eager" and tokens > args.eager_max):
                         continue
@@ -237,7 +254,8 @@ def run(args: argparse.Namespace) -> dict:
                     fns["liger"] = liger_fn(module, x, idx, w)
                 if args.sweep:
                     for name, (kernel, config) in sweep_configs().items():
-                        fns[f"ours[{name}]"] = ours_fn(module, x, idx, w, kernel, config)
+                        if args.sweep_configs is None or name in args.sweep_configs:
+                            fns[f"ours[{name}]"] = ours_fn(module, x, idx, w, kernel, config, args.preact)
                 row = {"shape": shape.name, "routing": kind, "tokens": tokens, "errors": {}, "us": {}, "modes": {}}
                 check = min(tokens, args.check_rows)
                 ref = reference_f64(module, x[:check], idx[:check], w[:check])
@@ -263,6 +281,7 @@ def run(args: argparse.Namespace) -> dict:
         if not dry:
             torch.cuda.empty_cache()
     return {"kind": "moe", "schema": SCHEMA, "environment": environment(device, args.commit), "dtype": str(dtype),
+            "preact": args.preact,
             "matmul_peak_tflops": peak / 1e12, "timer": None if dry else timer.describe(),
             "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
 
@@ -299,7 +318,9 @@ def render_markdown(data: dict) -> str:
              f"{(env.get('git') or {}).get('commit')}.",
              f"Timer: {data.get('timer')}. Matmul peak measured in the run: {data['matmul_peak_tflops']:.0f} TFLOP/s.", "",
              "Microseconds per experts block (median). best other: the fastest of transformers' ways and Liger. "
-             "err: relative error against float64. host: microseconds of host time per call from an idle GPU.", "",
+             "err: relative error against float64. host: microseconds of host time per call from an idle GPU."
+             + (" ours: training's store-mode forward (P [T k, 2I] written too; `--preact`)." if data.get("preact")
+                else ""), "",
              "| shape | routing | T | floor | ours | grouped_mm | batched_mm | eager | liger | ours / floor | "
              "best other / ours | err ours | err grouped_mm | host ours | host batched_mm |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -313,6 +334,16 @@ def render_markdown(data: dict) -> str:
                      + " | ".join(_cell(us.get(k)) for k in WAYS)
                      + f" | {ratio_floor} | {ratio_best} | {err.get('ours', math.nan):.1e} | "
                      f"{err.get('grouped_mm', math.nan):.1e} | {_cell(host.get('ours'))} | {_cell(host.get('batched_mm'))} |")
+    swept = [(r, k[5:-1], v) for r in data["rows"] for k, v in r["us"].items() if k.startswith("ours[")]
+    if swept:
+        lines += ["", "## The sweep: candidate configs of ours (`sweep_configs`), each timed beside the rule's", "",
+                  "| shape | routing | T | candidate | us | the rule's us | candidate / rule | err |",
+                  "|---|---|---:|---|---:|---:|---:|---:|"]
+        for r, name, us in swept:
+            rule = r["us"].get("ours")
+            ratio = f"{us / rule:.3f}" if us and rule else "-"
+            lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {name} | {_cell(us)} | {_cell(rule)} | "
+                         f"{ratio} | {r['errors'].get(f'ours[{name}]', math.nan):.1e} |")
     return "\n".join(lines) + "\n"
 
 

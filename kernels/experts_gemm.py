@@ -19,6 +19,9 @@ of one expert walk its weight tiles together while they sit in L2:
 
 Padding rows (pair id S) and unused blocks (expert E) load nothing and store nothing.
 
+A config with warp_specialized runs the gated GEMM as `experts_gated_ws.py` (Gluon, Hopper) where
+that kernel can take the call (its `can_run`: chunked 16-bit weights, no bias, no low-rank segment).
+
 With HAS_LOW_RANK (LoRA on the experts, `experts_low_rank_jit`), the gated and the down GEMM run
 r more K steps after their main loop, x_lr[p] @ B[e]^T and h_lr[p] @ B_d[e]^T, before the bias
 and the epilogue; x_lr and h_lr [S, r] come from `project` over the same blocks.
@@ -37,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import experts_gated_ws
 from .configs import ExpertsConfig, KernelCapability, ceil_div
 from .experts_jit import experts_epilogue
 from .experts_low_rank_jit import _experts_project_kernel, low_rank_segment
@@ -275,6 +279,9 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
         TOP_K=top_k, HAS_BIAS=has_bias, INPUT_PRECISION=precision, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16, **tiles))
         for precision in ("tf32", "ieee")}
+    gated_ws = (experts_gated_ws.make_launcher(config, epilogue, top_k, store_preact)
+                if config.warp_specialized and layout.concatenated and not (layout.transposed or has_bias or lr_gu)
+                else None)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
     project_x = project_launchers(top_k, config.block_m, lr_gu, True) if lr_gu else None
     project_h = project_launchers(top_k, config.block_m, lr_d, False) if lr_d else None
@@ -298,11 +305,15 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
             project(project_x, precision, x, sorted_pairs, block_expert, a_gu, s_gu, x_lr, num_pairs)
         lr_gu_args = (x_lr, b_gu, b_gu.shape[2]) if lr_gu else (x, x, 0)  # not read without HAS_LOW_RANK
         lr_gu_strides = (x_lr.stride(0), *b_gu.stride()) if lr_gu else (0, 0, 0, 0)
-        gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
-                         x, sorted_pairs, block_expert, gate_up, bias, h, p, *lr_gu_args[:2],
-                         num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, lr_gu_args[2],
-                         *x.stride(), *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1), h.stride(0),
-                         p.stride(0), *lr_gu_strides)
+        if gated_ws is not None and experts_gated_ws.can_run(x, gate_up, layout, has_bias, bool(lr_gu), h, preact,
+                                                             config):
+            gated_ws(x, sorted_pairs, block_expert, gate_up, h, preact, num_experts)
+        else:
+            gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
+                             x, sorted_pairs, block_expert, gate_up, bias, h, p, *lr_gu_args[:2],
+                             num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, lr_gu_args[2],
+                             *x.stride(), *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1),
+                             h.stride(0), p.stride(0), *lr_gu_strides)
         if lr_d:
             project(project_h, precision, h, sorted_pairs, block_expert, a_d, s_d, h_lr, num_pairs)
         lr_d_args = (h_lr, b_d, b_d.shape[2]) if lr_d else (h, h, 0)

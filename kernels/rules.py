@@ -234,6 +234,10 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "1.014x at T = 4-8, 1.017x at T = 64"),
     Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
          sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
+    Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True),
+         HOPPERS, m=(513, None), sweep=MOE,
+         why="prefill on Hopper: the tiles below, the gated GEMM warp-specialized where it can take the call; "
+             "not yet timed"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3), m=(513, None),
          sweep=MOE, why="prefill: 128x128 tiles of both GEMMs; 1.004x the best at T = 1024-4096"),
 )

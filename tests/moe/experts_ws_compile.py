@@ -1,13 +1,14 @@
-"""Compile the experts backward's warp-specialized kernels for sm_90a without a GPU: run by
-`compile_in_subprocess` (for `test_experts_dh_ws.py`, `test_experts_wgrad_ws.py` and
-`test_experts_dx_ws.py`) in a process without TRITON_INTERPRET, since Gluon compiles jit
-functions, not the interpreter's.
+"""Compile the experts' warp-specialized kernels for sm_90a without a GPU: run by
+`compile_in_subprocess` (for `test_experts_dh_ws.py`, `test_experts_wgrad_ws.py`,
+`test_experts_dx_ws.py` and `test_experts_gated_ws.py`) in a process without TRITON_INTERPRET,
+since Gluon compiles jit functions, not the interpreter's.
 
     python experts_ws_compile.py DTYPE EPILOGUE CUBIN_OUT CONFIG_JSON
 
 EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp) compiles `experts_dh_ws`'s
 kernel; "wgrad_down" or "wgrad_gate_up" `experts_wgrad_ws`'s, as dW_down (A by token) or
-dW_gate_up (B by token); "dx" `experts_dx_ws`'s. CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON.
+dW_gate_up (B by token); "dx" `experts_dx_ws`'s; "gated:ACT" or "gated_preact:ACT" (ACT one of
+`GATED_EPILOGUES`) the forward's `experts_gated_ws`, without or with P stored. CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON (the forward's: an `ExpertsConfig`'s).
 
 prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
 """
@@ -25,16 +26,21 @@ import torch
 import triton
 
 from swiglu_patch.kernels import experts_dh_ws as ws
-from swiglu_patch.kernels import experts_dx_ws, experts_wgrad_ws
+from swiglu_patch.kernels import experts_dx_ws, experts_gated_ws, experts_wgrad_ws
+from swiglu_patch.kernels.configs import ExpertsConfig
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
 from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
 
 
+# the forward kernel's epilogues by name: the heaviest math (gelu_tanh) and a clamp
+GATED_EPILOGUES = {"silu": GatedEpilogue("silu"), "gelu_tanh": GatedEpilogue("gelu_tanh"),
+                   "clamp_gate": GatedEpilogue("silu", limit=7.0, clamp="gate")}
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_in_subprocess(dtype: torch.dtype, mode: str, config: ExpertsBackwardConfig, out_dir: Path) -> tuple[dict, str]:
+def compile_in_subprocess(dtype: torch.dtype, mode: str, config: ExpertsBackwardConfig | ExpertsConfig,
+                          out_dir: Path) -> tuple[dict, str]:
     """This script run on (dtype, mode, config) in a process of its own without TRITON_INTERPRET (Gluon
     compiles jit functions, not the interpreter's): (what it printed, `cuobjdump -res-usage` of the cubin,
     "REG:168 STACK:0 SHARED:... LOCAL:0 ...": spills need stack or local memory)."""
@@ -108,6 +114,28 @@ def compile_dx_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype):
     return _compile(experts_dx_ws._experts_dx_ws_kernel, fixed, runtime), fixed
 
 
+def compile_gated_for_hopper(config: ExpertsConfig, dtype: torch.dtype, epilogue: str, store_preact: bool):
+    """The forward's gated kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K = 2048,
+    I = 768 specializes it, without a GPU; `epilogue` names one of `GATED_EPILOGUES`."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t, top_k, e, k, i = 512, 8, 64, 2048, 768
+    s = t * top_k
+    experts_epilogue = ExpertsEpilogue(GATED_EPILOGUES[epilogue])
+    launch = experts_gated_ws.make_launcher(config, dict(experts_epilogue.constexprs(), APPROX_TANH=True), top_k,
+                                            store_preact)
+    fixed = dict(launch.constexprs, NUM_PROGRAMS=132)
+    runtime = dict(x_ptr=torch.empty(t, k, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int64),
+                   blocks_ptr=torch.empty(s // 128, dtype=torch.int64), h_ptr=torch.empty(s, i, dtype=dtype),
+                   p_ptr=torch.empty(s, 2 * i, dtype=dtype), NUM_PAIRS=s, NUM_BLOCKS=s // 128, K=k, I=i,
+                   NUM_EXPERTS=e, stride_xm=k, stride_hm=i, stride_pm=2 * i)
+    block = [config.block_n, fixed["BLOCK_K"]]
+    runtime["w_desc"] = TensorDescriptor.from_tensor(torch.empty(e * 2 * i, k, dtype=dtype), block,
+                                                     gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
+    return _compile(experts_gated_ws._experts_gated_ws_kernel, fixed, runtime), fixed
+
+
 def _compile(kernel, fixed: dict, runtime: dict):
     """`kernel` compiled for sm_90a with constexprs `fixed` (num_warps among them) and the runtime
     arguments' types and 16-divisibility of `runtime`."""
@@ -128,16 +156,21 @@ def _compile(kernel, fixed: dict, runtime: dict):
 
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
-    fields = json.loads(config_json)
-    for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers", "dx_ws_registers"):
-        fields[name] = tuple(fields[name])
-    config, dtype = ExpertsBackwardConfig(**fields), getattr(torch, dtype_name)
-    if epilogue == "dx":
-        compiled, fixed = compile_dx_for_hopper(config, dtype)
-    elif epilogue.startswith("wgrad_"):
-        compiled, fixed = compile_wgrad_for_hopper(config, dtype, epilogue)
+    fields, dtype = json.loads(config_json), getattr(torch, dtype_name)
+    if epilogue.startswith("gated"):
+        fields["ws_registers"] = tuple(fields["ws_registers"])
+        mode, act = epilogue.split(":")
+        compiled, fixed = compile_gated_for_hopper(ExpertsConfig(**fields), dtype, act, mode == "gated_preact")
     else:
-        compiled, fixed = compile_for_hopper(config, dtype, epilogue)
+        for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers", "dx_ws_registers"):
+            fields[name] = tuple(fields[name])
+        config = ExpertsBackwardConfig(**fields)
+        if epilogue == "dx":
+            compiled, fixed = compile_dx_for_hopper(config, dtype)
+        elif epilogue.startswith("wgrad_"):
+            compiled, fixed = compile_wgrad_for_hopper(config, dtype, epilogue)
+        else:
+            compiled, fixed = compile_for_hopper(config, dtype, epilogue)
     with open(cubin_out, "wb") as f:
         f.write(compiled.asm["cubin"])
     print(json.dumps({"shared": compiled.metadata.shared, "HANDOFF_FP32": fixed.get("HANDOFF_FP32", True)}))

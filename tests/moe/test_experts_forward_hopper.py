@@ -1,0 +1,137 @@
+"""The experts forward's warp-specialized gated kernel (`experts_gated_ws.py`) on a Hopper GPU, in place of
+the one-program-per-tile one: the block's output, and in store mode the pre-activation P it saves for
+the backward, against float64 (fresh inputs, outputs and allocations poisoned, within twice PyTorch's
+own error in the dtype). Each case asserts which kernel ran. Its compilation for sm_90a is checked
+without a GPU (`test_experts_gated_ws.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from helpers import rel_err
+from moe.experts_grad_check import DEVICE, EPILOGUES, LAYOUTS, expert_weights, poisoned_allocations, routing
+from swiglu_patch.kernels import experts_gated_ws
+from swiglu_patch.kernels.experts import experts_forward
+from swiglu_patch.kernels.experts_backward import experts_forward_with_preact
+from swiglu_patch.kernels.experts_reference import experts_reference
+from swiglu_patch.kernels.rules import EXPERTS_RULES
+
+__all__ = ["poisoned_allocations"]  # the autouse fixture, imported to apply here
+
+HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
+WS_RULE = next(r.config for r in EXPERTS_RULES if r.gpus and r.config.warp_specialized)
+EPS = {torch.float16: 1e-3, torch.bfloat16: 5e-3}
+# (tokens, experts, top-k, K, I, routing, dtype): tiles past one per program (the ring and the handoff wrap),
+# I off the 128-column tile (a last tile's boxes reach past the expert's gate and up rows), one token, all
+# first choices on one expert, an expert with none, sentinels, inputs of scale 8
+CASES = {
+    "many_tiles": (2048, 8, 8, 1024, 640, "uniform", torch.bfloat16),
+    "tails": (300, 6, 3, 192, 144, "uniform", torch.float16),
+    "one_token": (1, 4, 2, 64, 32, "uniform", torch.bfloat16),
+    "one_expert": (257, 4, 2, 128, 256, "one_expert", torch.bfloat16),
+    "empty_expert": (257, 4, 2, 128, 176, "empty_expert", torch.float16),
+    "sentinels": (130, 4, 2, 128, 64, "uniform", torch.bfloat16),
+    "large": (200, 4, 2, 64, 48, "uniform", torch.bfloat16),
+}
+pytestmark = pytest.mark.skipif(not HOPPER_GPU, reason="needs a Hopper GPU (wgmma)")
+
+
+def _recording(monkeypatch):
+    """What `experts_gated_ws.can_run` answers, call by call, from here on."""
+    answers, can_run = [], experts_gated_ws.can_run
+    monkeypatch.setattr(experts_gated_ws, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
+    return answers
+
+
+def _case(case: str):
+    t, e, top_k, k, i, skew, dtype = CASES[case]
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    return x, index, weights, w, dtype
+
+
+def _reference(x, index, weights, w, epilogue):
+    """(float64 output, PyTorch's own error in x's dtype against it)."""
+    ref = experts_reference(x.double(), index, weights.double(), w[0].double(), w[1].double(), epilogue, LAYOUTS[0])
+    return ref, rel_err(experts_reference(x, index, weights, w[0], w[1], epilogue, LAYOUTS[0]), ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("epilogue", ["silu", "gelu_tanh", "scaled", "clamp_gate", "clamp_activation"])
+def test_the_forward_against_float64(case, epilogue, monkeypatch):
+    x, index, weights, w, dtype = _case(case)
+    ref, torch_err = _reference(x, index, weights, w, EPILOGUES[epilogue])
+    ran = _recording(monkeypatch)
+    out = torch.full_like(ref, float("nan"), dtype=dtype)
+    experts_forward(x, index, weights, w[0], w[1], EPILOGUES[epilogue], kernel="experts_grouped", config=WS_RULE,
+                    out=out)
+    assert ran == [True], ran
+    assert not out.isnan().any(), "an output element was not written"
+    assert rel_err(out, ref) <= 2 * torch_err + EPS[dtype], (rel_err(out, ref), torch_err)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_store_mode_saves_the_pre_activation(case, monkeypatch):
+    """P [S, 2I] in the model's column order (gate then up), each pair's row: x[t] @ W[e]^T rounded once."""
+    x, index, weights, w, dtype = _case(case)
+    ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
+    ran = _recording(monkeypatch)
+    out, preact = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"],
+                                              kernel="experts_grouped", config=WS_RULE)
+    assert ran == [True], ran
+    assert rel_err(out, ref) <= 2 * torch_err + EPS[dtype]
+    for e in range(w[0].shape[0]):  # sentinels' rows are not written
+        pairs = (index.flatten() == e).nonzero().squeeze(1)
+        if pairs.numel():
+            tokens = pairs // index.shape[1]
+            p64 = x.double()[tokens] @ w[0][e].double().t()
+            p_torch = (x[tokens].float() @ w[0][e].float().t()).to(dtype)  # fp32 sums, one rounding
+            assert rel_err(preact[pairs], p64) <= 2 * rel_err(p_torch, p64) + EPS[dtype], e
+
+
+def test_what_it_cannot_take_runs_the_other_kernel(monkeypatch):
+    """x with a column stride (cp.async copies 16-byte rows) and a K off the 64-wide step: the one-program-per-tile
+    kernel, as right."""
+    ran = _recording(monkeypatch)
+    for t, k, strided in ((600, 128, True), (600, 96, False)):
+        w = expert_weights(4, k, 64, LAYOUTS[0], False, torch.bfloat16)
+        x = torch.randn(t, 2 * k if strided else k).to(DEVICE, torch.bfloat16)
+        x = x[:, ::2] if strided else x
+        index, weights = routing(t, 4, 2)
+        ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
+        out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped",
+                              config=WS_RULE)
+        assert rel_err(out, ref) <= 2 * torch_err + EPS[torch.bfloat16]
+    assert ran == [False, False], ran
+
+
+def test_the_planner_runs_it_for_prefill_with_rows_of_any_stride(monkeypatch):
+    """T >= 513 on Hopper takes the warp-specialized rule; x a slice of wider rows (a 16-multiple stride) runs it."""
+    ran = _recording(monkeypatch)
+    w = expert_weights(8, 256, 128, LAYOUTS[0], False, torch.bfloat16)
+    x = torch.randn(1024, 256 + 64).to(DEVICE, torch.bfloat16)[:, 64:]
+    index, weights = routing(1024, 8, 4)
+    ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
+    out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"])
+    assert ran == [True], ran
+    assert rel_err(out, ref) <= 2 * torch_err + EPS[torch.bfloat16]
+
+
+def test_a_ring_wider_than_the_rule(monkeypatch):
+    """4 stages of 64-wide steps (the most that fits beside h's handoff) and store mode's 3 of 32."""
+    ran = _recording(monkeypatch)
+    x, index, weights, w, dtype = _case("many_tiles")
+    ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
+    config = dataclasses.replace(WS_RULE, ws_stages=4, ws_preact_stages=3)
+    out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped", config=config)
+    out_p, _ = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped",
+                                           config=config)
+    assert ran == [True, True], ran
+    assert max(rel_err(out, ref), rel_err(out_p, ref)) <= 2 * torch_err + EPS[dtype]
