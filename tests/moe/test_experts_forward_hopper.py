@@ -63,8 +63,8 @@ def _reference(x, index, weights, w, epilogue):
     return ref, rel_err(experts_reference(x, index, weights, w[0], w[1], epilogue, LAYOUTS[0]), ref)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("epilogue", ["silu", "gelu_tanh", "scaled", "clamp_gate", "clamp_activation"])
+@pytest.mark.parametrize("case, epilogue", [(c, "silu") for c in CASES] + [
+    (c, e) for c in ("tails", "large") for e in ("gelu_tanh", "scaled", "clamp_gate", "clamp_activation")])
 def test_the_forward_against_float64(case, epilogue, monkeypatch):
     x, index, weights, w, dtype = _case(case)
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES[epilogue])
