@@ -70,7 +70,8 @@ TINY = MoEShape("tiny", 64, 48, 8, 2)
 def sweep_configs() -> dict:
     """Candidate (kernel, config) of ours that --sweep times beside the rule's choice; "triton", "ws" and "ws_s4":
     the prefill tiles (128x(2*128)x64) with the gated GEMM by the one-program-per-tile kernel, by the
-    warp-specialized one (`experts_gated_ws.py`, 3 stages) and by it at 4 stages."""
+    warp-specialized one (`experts_gated_ws.py`, 3 stages; with P stored, `--preact`: 4 of 32-wide steps) and
+    by it at 4 stages."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
@@ -78,8 +79,9 @@ def sweep_configs() -> dict:
     prefill = C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)
     return {
         "triton": ("experts_grouped", prefill),
-        "ws": ("experts_grouped", replace(prefill, warp_specialized=True)),
-        "ws_s4": ("experts_grouped", replace(prefill, warp_specialized=True, ws_stages=4)),
+        "ws": ("experts_grouped", replace(prefill, warp_specialized=True, warp_specialized_preact=True)),
+        "ws_s4": ("experts_grouped", replace(prefill, warp_specialized=True, warp_specialized_preact=True,
+                                             ws_stages=4)),
         "g16_32x256s3": ("experts_grouped", C(16, 32, 256, 32, 256, group_m=8, num_warps=4, num_stages=3)),
         "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
         "g16_32x256s4d64": ("experts_grouped", C(16, 32, 256, 64, 128, group_m=8, num_warps=4, num_stages=4)),

@@ -116,12 +116,13 @@ class ExpertsConfig:
         down_block_n, down_block_k: the down kernel's tile along K_out and its step along I.
         group_m: blocks that walk the column tiles together (L2 reuse).
         num_warps, num_stages: Triton's launch parameters.
-        warp_specialized: on Hopper, run the gated GEMM as the warp-specialized kernel
-            (`experts_gated_ws.py`: the same block_m x (2 x block_n) tiles stepping block_k
-            over K, h's stores beside the next tile's MMAs) where it can take the call, with a
-            ring of ws_stages stages; where the call also stores P (training's store mode),
-            ws_preact_block_k steps at ws_preact_stages stages (P's handoff takes the room);
-            ws_registers: its registers a thread in its (loader, epilogue) warps.
+        warp_specialized: on Hopper, run the gated GEMM of calls that store no P as the
+            warp-specialized kernel (`experts_gated_ws.py`: the same block_m x (2 x block_n)
+            tiles stepping block_k over K, h's stores beside the next tile's MMAs) where it can
+            take the call, with a ring of ws_stages stages;
+        warp_specialized_preact: the same for calls that also store P (training's store mode),
+            with ws_preact_block_k steps at ws_preact_stages stages (P's handoff takes the room);
+        ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
     block_m: int
@@ -133,14 +134,17 @@ class ExpertsConfig:
     num_warps: int = 4
     num_stages: int = 3
     warp_specialized: bool = False
+    warp_specialized_preact: bool = False
     ws_stages: int = 3
     ws_preact_block_k: int = 32
     ws_preact_stages: int = 4
     ws_registers: tuple[int, int] = (96, 64)
 
     def short(self) -> str:
-        """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3" where warp-specialized)."""
+        """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact s4" where warp-specialized)."""
         ws = f" ws s{self.ws_stages}" if self.warp_specialized else ""
+        if self.warp_specialized_preact:
+            ws += f" ws-preact {self.ws_preact_block_k}s{self.ws_preact_stages}"
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}, "
                 f"g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
 

@@ -19,8 +19,9 @@ of one expert walk its weight tiles together while they sit in L2:
 
 Padding rows (pair id S) and unused blocks (expert E) load nothing and store nothing.
 
-A config with warp_specialized runs the gated GEMM as `experts_gated_ws.py` (Gluon, Hopper) where
-that kernel can take the call (its `can_run`: chunked 16-bit weights, no bias, no low-rank segment).
+A config with warp_specialized (warp_specialized_preact: for calls storing P) runs the gated GEMM
+as `experts_gated_ws.py` (Gluon, Hopper) where that kernel can take the call (its `can_run`:
+chunked 16-bit weights, no bias, no low-rank segment).
 
 With HAS_LOW_RANK (LoRA on the experts, `experts_low_rank_jit`), the gated and the down GEMM run
 r more K steps after their main loop, x_lr[p] @ B[e]^T and h_lr[p] @ B_d[e]^T, before the bias
@@ -279,9 +280,9 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
         TOP_K=top_k, HAS_BIAS=has_bias, INPUT_PRECISION=precision, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, HAS_LOW_RANK=bool(lr_d), BLOCK_R=lr_d or 16, **tiles))
         for precision in ("tf32", "ieee")}
+    ws = config.warp_specialized_preact if store_preact else config.warp_specialized
     gated_ws = (experts_gated_ws.make_launcher(config, epilogue, top_k, store_preact)
-                if config.warp_specialized and layout.concatenated and not (layout.transposed or has_bias or lr_gu)
-                else None)
+                if ws and layout.concatenated and not (layout.transposed or has_bias or lr_gu) else None)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
     project_x = project_launchers(top_k, config.block_m, lr_gu, True) if lr_gu else None
     project_h = project_launchers(top_k, config.block_m, lr_d, False) if lr_d else None

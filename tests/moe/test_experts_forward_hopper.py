@@ -22,7 +22,8 @@ from swiglu_patch.kernels.rules import EXPERTS_RULES
 __all__ = ["poisoned_allocations"]  # the autouse fixture, imported to apply here
 
 HOPPER_GPU = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
-WS_RULE = next(r.config for r in EXPERTS_RULES if r.gpus and r.config.warp_specialized)
+HOPPER_RULE = next(r.config for r in EXPERTS_RULES if r.gpus and r.config.warp_specialized)
+WS_RULE = dataclasses.replace(HOPPER_RULE, warp_specialized_preact=True)  # store mode's calls too
 EPS = {torch.float16: 1e-3, torch.bfloat16: 5e-3}
 # (tokens, experts, top-k, K, I, routing, dtype): tiles past one per program (the ring and the handoff wrap),
 # I off the 128-column tile (a last tile's boxes reach past the expert's gate and up rows), one token, all
@@ -113,19 +114,23 @@ def test_what_it_cannot_take_runs_the_other_kernel(monkeypatch):
 
 
 def test_the_planner_runs_it_for_prefill_with_rows_of_any_stride(monkeypatch):
-    """T >= 513 on Hopper takes the warp-specialized rule; x a slice of wider rows (a 16-multiple stride) runs it."""
+    """T >= 4096 on Hopper takes the warp-specialized rule; x a slice of wider rows (a 16-multiple stride) runs it.
+    Store mode's forward keeps the one-program-per-tile kernel there (the rule's warp_specialized_preact)."""
     ran = _recording(monkeypatch)
     w = expert_weights(8, 256, 128, LAYOUTS[0], False, torch.bfloat16)
-    x = torch.randn(1024, 256 + 64).to(DEVICE, torch.bfloat16)[:, 64:]
-    index, weights = routing(1024, 8, 4)
+    x = torch.randn(4096, 256 + 64).to(DEVICE, torch.bfloat16)[:, 64:]
+    index, weights = routing(4096, 8, 4)
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
     out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"])
     assert ran == [True], ran
     assert rel_err(out, ref) <= 2 * torch_err + EPS[torch.bfloat16]
+    out, _ = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"])
+    assert ran == [True], ran  # no second call: store mode's launcher has no warp-specialized kernel
+    assert rel_err(out, ref) <= 2 * torch_err + EPS[torch.bfloat16]
 
 
 def test_a_ring_wider_than_the_rule(monkeypatch):
-    """4 stages of 64-wide steps (the most that fits beside h's handoff) and store mode's 3 of 32."""
+    """4 stages of 64-wide steps (the most that fits beside h's handoff), and 3 of 32 with P stored."""
     ran = _recording(monkeypatch)
     x, index, weights, w, dtype = _case("many_tiles")
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
