@@ -70,7 +70,7 @@ TINY = MoEShape("tiny", 64, 48, 8, 2)
 def sweep_configs() -> dict:
     """Candidate (kernel, config) of ours that --sweep times beside the rule's choice; "triton", "ws" and "ws_s4":
     the prefill tiles (128x(2*128)x64) with the gated GEMM by the one-program-per-tile kernel, by the
-    warp-specialized one (`experts_gated_ws.py`, 3 stages; with P stored, `--preact`: 4 of 32-wide steps) and
+    warp-specialized one (`experts_gated_ws.py`, 3 stages, also with P stored: `--preact`) and
     by it at 4 stages."""
     from dataclasses import replace
 

@@ -121,7 +121,7 @@ class ExpertsConfig:
             tiles stepping block_k over K, h's stores beside the next tile's MMAs) where it can
             take the call, with a ring of ws_stages stages;
         warp_specialized_preact: the same for calls that also store P (training's store mode),
-            with ws_preact_block_k steps at ws_preact_stages stages (P's handoff takes the room);
+            with ws_preact_block_k steps at ws_preact_stages stages;
         ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
     """
 
@@ -136,9 +136,9 @@ class ExpertsConfig:
     warp_specialized: bool = False
     warp_specialized_preact: bool = False
     ws_stages: int = 3
-    ws_preact_block_k: int = 32
-    ws_preact_stages: int = 4
-    ws_registers: tuple[int, int] = (96, 64)
+    ws_preact_block_k: int = 64
+    ws_preact_stages: int = 3
+    ws_registers: tuple[int, int] = (80, 64)
 
     def short(self) -> str:
         """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact s4" where warp-specialized)."""

@@ -12,10 +12,10 @@ holds three groups of warps that hand work on through shared memory and mbarrier
   by cp.async and the tile's gate and up [BLOCK_N, BLOCK_K] boxes by TMA from W seen as
   [E * 2I, K], into a ring of NUM_STAGES stages;
 - the MMA group (the default partition, 8 warps: two warpgroups of 64 rows each): two fp32
-  accumulators by wgmma (gate and up of one element in one thread), then the epilogue's math on
-  them in registers, and h (with STORE_PREACT also gate and up) in x's dtype into the shared
-  handoff;
-- the epilogue group (EPILOGUE_WARPS warps): writes the handoff's rows to h (and P) by pair in
+  accumulators by wgmma (gate and up of one element in one thread); with STORE_PREACT, gate and
+  up stored to P's rows from registers; then the epilogue's math on them in registers, and h in
+  x's dtype into the shared handoff;
+- the epilogue group (EPILOGUE_WARPS warps): writes the handoff's rows to h by pair in
   [EPILOGUE_M, BLOCK_N] slices while the next tile's MMAs run.
 
 Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
@@ -50,14 +50,15 @@ MMA_WARPS = 8  # two warpgroups, 64 rows each
 
 
 @gluon.jit
-def _gated_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K, I,
-               NUM_EXPERTS, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr, GATE_SCALE: gl.constexpr,
+def _gated_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, p_ptr,
+               NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_pm, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr, GATE_SCALE: gl.constexpr,
                OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr, ALPHA: gl.constexpr,
                STORE_PREACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                MMA_WARPS: gl.constexpr):
-    """Per tile: gate and up by wgmma over the ring, each stage released once its MMAs retire; then
-    h = epilogue(gate, up) in fp32, and h (gate, up) in the handoff's dtype into handoff[0] ([1], [2])."""
+    """Per tile: gate and up by wgmma over the ring, each stage released once its MMAs retire; with
+    STORE_PREACT, gate and up rounded into P's rows; then h = epilogue(gate, up) in fp32, into the
+    handoff in its dtype."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     tiles_n = gl.cdiv(I, BLOCK_N)
@@ -81,23 +82,26 @@ def _gated_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_fre
                 step += 1
             gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
             mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=k_tiles > 0)
-            mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
-            if STORE_PREACT:  # first: then h's math needs no room beside the accumulators' rounded copies
-                handoff.index(1).store(gate.to(handoff.dtype))
-                handoff.index(2).store(up.to(handoff.dtype))
+            if STORE_PREACT:  # P's gate and up columns from the accumulators, at the pairs' rows
+                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout)))
+                cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+                mask = (pairs < NUM_PAIRS)[:, None] & (cols < I)[None, :]
+                p_rows = p_ptr + pairs.to(gl.int64)[:, None] * stride_pm
+                gl.store(p_rows + cols[None, :], gate.to(p_ptr.dtype.element_ty), mask=mask)
+                gl.store(p_rows + (I + cols)[None, :], up.to(p_ptr.dtype.element_ty), mask=mask)
             h = experts_epilogue(gate, up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA)
-            handoff.index(0).store(h.to(handoff.dtype))
+            mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
+            handoff.store(h.to(handoff.dtype))
             partition_barrier()
             mbarrier.arrive(handoff_ready, count=1)
             tiles_done += 1
 
 
 @gluon.jit
-def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr, NUM_PAIRS, NUM_BLOCKS, I,
-              NUM_EXPERTS, stride_hm, stride_pm, STORE_PREACT: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr,
-              EPILOGUE_WARPS: gl.constexpr):
-    """Per tile, the handoff in [EPILOGUE_M, BLOCK_N] slices into h's rows (and P's gate and up columns) by pair."""
+def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS, NUM_BLOCKS, I,
+              NUM_EXPERTS, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+              NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_WARPS: gl.constexpr):
+    """Per tile, the handoff in [EPILOGUE_M, BLOCK_N] slices into h's rows by pair."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [EPILOGUE_WARPS, 1], [1, 0])
     tiles_n = gl.cdiv(I, BLOCK_N)
     tiles_done = 0
@@ -111,13 +115,8 @@ def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr
                                 + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout)))
                 mask = (pairs < NUM_PAIRS)[:, None] & (cols < I)[None, :]
                 rows = pairs.to(gl.int64)[:, None]
-                h = handoff.index(0).slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout)
+                h = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout)
                 gl.store(h_ptr + rows * stride_hm + cols[None, :], h, mask=mask)
-                if STORE_PREACT:
-                    gate = handoff.index(1).slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout)
-                    gl.store(p_ptr + rows * stride_pm + cols[None, :], gate, mask=mask)
-                    up = handoff.index(2).slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout)
-                    gl.store(p_ptr + rows * stride_pm + (I + cols)[None, :], up, mask=mask)
             partition_barrier()
             mbarrier.arrive(handoff_free, count=1)
             tiles_done += 1
@@ -138,22 +137,22 @@ def _experts_gated_ws_kernel(
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-    handoff = gl.allocate_shared_memory(dtype, [3 if STORE_PREACT else 1, BLOCK_M, BLOCK_N],
+    handoff = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
     # a stage's ready barrier: the two weight boxes' expect, and the rows' arrive
     ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 2)
 
     gl.warp_specialize([
-        (_gated_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K, I,
-                      NUM_EXPERTS, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA, STORE_PREACT,
+        (_gated_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, p_ptr,
+                      NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_pm, ACTIVATION, APPROX_TANH, GATE_SCALE,
+                      OUT_SCALE, CLAMP, LIMIT, ALPHA, STORE_PREACT,
                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
         (gathered_rows_loader, (x_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                                 NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, TOP_K, True,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
                                 True)),
-        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr, NUM_PAIRS, NUM_BLOCKS,
-                     I, NUM_EXPERTS, stride_hm, stride_pm, STORE_PREACT, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS,
-                     EPILOGUE_M, EPILOGUE_WARPS)),
+        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS, NUM_BLOCKS, I,
+                     NUM_EXPERTS, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_WARPS)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
 
 
@@ -200,7 +199,7 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, top_k: int, store_preac
     if bm != 128 or not (bn % 16 == 0 and 16 <= bn <= 128) or block_k % 16 or not 16 <= block_k <= 128:
         raise ValueError(f"experts_gated_ws: 128-row blocks, block_n a multiple of 16 up to 128 and a step along K a "
                          f"multiple of 16 up to 128, got {bm}x{bn}x{block_k}")
-    smem = stages * (bm + 2 * bn) * block_k * 2 + (3 if store_preact else 1) * bm * bn * 2
+    smem = stages * (bm + 2 * bn) * block_k * 2 + bm * bn * 2
     if smem > SHARED_MEMORY_BYTES:
         raise ValueError(f"experts_gated_ws: {stages} stages and the handoff take {smem} bytes of shared memory, over "
                          f"Hopper's {SHARED_MEMORY_BYTES}: fewer stages or a shorter step along K")

@@ -130,11 +130,11 @@ def test_the_planner_runs_it_for_prefill_with_rows_of_any_stride(monkeypatch):
 
 
 def test_a_ring_wider_than_the_rule(monkeypatch):
-    """4 stages of 64-wide steps (the most that fits beside h's handoff), and 3 of 32 with P stored."""
+    """4 stages of 64-wide steps (the most that fits beside h's handoff), and 5 of 32 with P stored."""
     ran = _recording(monkeypatch)
     x, index, weights, w, dtype = _case("many_tiles")
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
-    config = dataclasses.replace(WS_RULE, ws_stages=4, ws_preact_stages=3)
+    config = dataclasses.replace(WS_RULE, ws_stages=4, ws_preact_block_k=32, ws_preact_stages=5)
     out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped", config=config)
     out_p, _ = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped",
                                            config=config)

@@ -39,8 +39,8 @@ def test_a_cpu_call_or_what_it_cannot_take_is_refused():
         config = dataclasses.replace(HOPPER_RULE, block_m=tiles[0], block_n=tiles[1], block_k=tiles[2])
         with pytest.raises(ValueError, match="128-row blocks, block_n a multiple of 16"):
             ws.make_launcher(config, EPILOGUE, 2, False)
-    with pytest.raises(ValueError, match="shorter step along K"):  # P's handoff beside 3 stages of 64-wide steps
-        ws.make_launcher(dataclasses.replace(HOPPER_RULE, ws_preact_block_k=64, ws_preact_stages=3), EPILOGUE, 2, True)
+    with pytest.raises(ValueError, match="shorter step along K"):
+        ws.make_launcher(dataclasses.replace(HOPPER_RULE, ws_preact_block_k=128), EPILOGUE, 2, True)
     with pytest.raises(ValueError, match="fewer stages"):
         ws.make_launcher(dataclasses.replace(HOPPER_RULE, ws_stages=5), EPILOGUE, 2, False)
 
