@@ -221,7 +221,8 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 # `bench_moe --sweep` over the Qwen3-30B-A3B, OLMoE, gpt-oss-20b, Mixtral-8x7B and GLM-4.5-Air shapes
 # (geometric mean of time over the best config, per T range; uniform routing).
 MOE = ("h100/moe/sweep.json",)
-MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_preact/results.json")
+MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_rerun/results.json",
+                "h100/moe/gated_ws_preact/results.json", "h100/moe/gated_ws_preact_registers/results.json")
 MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json", "h100/moe_train/backward_tiles/candidates/results.json",
                 "h100/moe_train/backward_tiles/rows/results.json")
 MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json", "h100/moe_train/dh_ws_variants/results.json",
@@ -239,7 +240,8 @@ EXPERTS_RULES: tuple[Rule, ...] = (
          HOPPERS, m=(4096, None), sweep=MOE_GATED_WS,
          why="prefill on Hopper from T = 4096: the tiles below, the gated GEMM of calls storing no P warp-specialized "
              "where it can take the call; the block 0.94-0.98x the one-program-per-tile kernel's time on five shapes "
-             "at T = 4096 and 16384 (at 1024 0.98-1.10x); calls storing P keep that kernel (1.004-1.014x with it)"),
+             "at T = 4096 and 16384 (at 1024 0.98-1.10x); in a second run 0.96-0.97x on Qwen3-30B-A3B and OLMoE, "
+             "1.00-1.03x on Mixtral-8x7B; calls storing P keep that kernel (1.004-1.014x and 1.03-1.05x with it)"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3), m=(513, None),
          sweep=MOE, why="prefill: 128x128 tiles of both GEMMs; 1.004x the best at T = 1024-4096"),
 )
