@@ -2,7 +2,7 @@
 `test_experts_backward_hopper.py`: ours against float64 autograd of `experts_reference`, within
 twice PyTorch's own error in the dtype; inputs, weights and routings drawn fresh; every
 floating-point tensor the kernels allocate poisoned (NaN) by the `poisoned_allocations` fixture,
-which a test module using the check imports."""
+which a test module using the check imports; `recording`, what a kernel's `can_run` answered."""
 
 from __future__ import annotations
 
@@ -41,6 +41,13 @@ def poisoned_allocations(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: poison(new_empty(self, *a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
+def recording(monkeypatch, module):
+    """What `module.can_run` answers, call by call, from here on: the kernel a test asserts ran."""
+    answers, can_run = [], module.can_run
+    monkeypatch.setattr(module, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
+    return answers
 
 
 def expert_weights(e, k, i, layout, bias, dtype, scale=1.0):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, check_gradients, expert_weights,
-                                    poisoned_allocations, routing)
+                                    poisoned_allocations, recording, routing)
 from swiglu_patch.kernels import dispatch
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
 
@@ -38,13 +38,6 @@ WS_CASES = {
 }
 
 
-def _recording(monkeypatch, module):
-    """What `module.can_run` answers, call by call, from here on."""
-    answers, can_run = [], module.can_run
-    monkeypatch.setattr(module, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
-    return answers
-
-
 def _check_case(cases: dict, case: str, config) -> None:
     """`check_gradients` on one of `cases` (tokens, experts, top-k, K, I, routing, dtype, store; "large": inputs and
     weights of scale 8, "sentinels": every other token's second slot on an expert-parallel sentinel), SwiGLU
@@ -67,7 +60,7 @@ def test_the_warp_specialized_dh_kernel(case, monkeypatch):
     kernel that ran (no fallback), and every gradient within twice torch's own error."""
     from swiglu_patch.kernels import experts_dh_ws
 
-    ran = _recording(monkeypatch, experts_dh_ws)
+    ran = recording(monkeypatch, experts_dh_ws)
     _check_case(WS_CASES, case, WS_CONFIG)
     assert ran == [True]
 
@@ -78,7 +71,7 @@ def test_the_warp_specialized_dh_kernel_leaves_what_it_cannot_take_to_the_other(
     the one-program-per-tile kernel."""
     from swiglu_patch.kernels import experts_dh_ws
 
-    ran = _recording(monkeypatch, experts_dh_ws)
+    ran = recording(monkeypatch, experts_dh_ws)
     for layout, bias, k, i in ((LAYOUTS[0], True, 64, 32), (LAYOUTS[1], False, 64, 32), (LAYOUTS[0], False, 208, 32),
                                (LAYOUTS[0], False, 64, 120)):
         w = expert_weights(4, k, i, layout, bias, torch.bfloat16)
@@ -115,7 +108,7 @@ def test_the_warp_specialized_weight_gradient_kernel(case, block_a, monkeypatch)
     256x128 (two, a 16-bit handoff)."""
     from swiglu_patch.kernels import experts_wgrad_ws
 
-    ran = _recording(monkeypatch, experts_wgrad_ws)
+    ran = recording(monkeypatch, experts_wgrad_ws)
     _check_case(WS_CASES, case, dataclasses.replace(WGRAD_WS_CONFIG, wgrad_ws_tile=(block_a, 128)))
     assert ran == [True, True]
 
@@ -126,7 +119,7 @@ def test_the_warp_specialized_weight_gradient_kernel_leaves_what_it_cannot_take_
     a multiple of 16 for dW_down (hw's columns), a strided x for dW_gate_up. Every gradient still checked."""
     from swiglu_patch.kernels import experts_wgrad_ws
 
-    ran = _recording(monkeypatch, experts_wgrad_ws)
+    ran = recording(monkeypatch, experts_wgrad_ws)
     expected = []
     for layout, bias, i, strided_x, answers in ((LAYOUTS[0], True, 32, False, [False, False]),
                                                 (LAYOUTS[1], False, 32, False, [False, False]),
@@ -160,7 +153,7 @@ def test_the_warp_specialized_dx_kernel(case, tile, monkeypatch):
     it must be the kernel that ran, and every gradient within twice torch's own error."""
     from swiglu_patch.kernels import experts_dx_ws
 
-    ran = _recording(monkeypatch, experts_dx_ws)
+    ran = recording(monkeypatch, experts_dx_ws)
     width, stages = DX_TILES[tile]
     _check_case(DX_CASES, case, dataclasses.replace(DX_WS_CONFIG, dx_ws_block_n=width, dx_ws_stages=stages))
     assert ran == [True]
@@ -172,7 +165,7 @@ def test_the_warp_specialized_dx_kernel_leaves_what_it_cannot_take_to_the_other(
     a bias does not stop it. Every gradient still checked."""
     from swiglu_patch.kernels import experts_dx_ws
 
-    ran = _recording(monkeypatch, experts_dx_ws)
+    ran = recording(monkeypatch, experts_dx_ws)
     for layout, bias, i in ((LAYOUTS[1], False, 32), (LAYOUTS[0], False, 40), (LAYOUTS[0], True, 32)):
         w = expert_weights(4, 64, i, layout, bias, torch.bfloat16)
         x = torch.randn(40, 64).to(DEVICE, torch.bfloat16)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from helpers import rel_err
-from moe.experts_grad_check import DEVICE, EPILOGUES, LAYOUTS, expert_weights, poisoned_allocations, routing
+from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, expert_weights, poisoned_allocations, recording,
+                                    routing)
 from swiglu_patch.kernels import experts_gated_ws
 from swiglu_patch.kernels.experts import experts_forward
 from swiglu_patch.kernels.experts_backward import experts_forward_with_preact
@@ -40,13 +41,6 @@ CASES = {
 pytestmark = pytest.mark.skipif(not HOPPER_GPU, reason="needs a Hopper GPU (wgmma)")
 
 
-def _recording(monkeypatch):
-    """What `experts_gated_ws.can_run` answers, call by call, from here on."""
-    answers, can_run = [], experts_gated_ws.can_run
-    monkeypatch.setattr(experts_gated_ws, "can_run", lambda *a: answers.append(can_run(*a)) or answers[-1])
-    return answers
-
-
 def _case(case: str):
     t, e, top_k, k, i, skew, dtype = CASES[case]
     scale = 8.0 if case == "large" else 1.0
@@ -69,7 +63,7 @@ def _reference(x, index, weights, w, epilogue):
 def test_the_forward_against_float64(case, epilogue, monkeypatch):
     x, index, weights, w, dtype = _case(case)
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES[epilogue])
-    ran = _recording(monkeypatch)
+    ran = recording(monkeypatch, experts_gated_ws)
     out = torch.full_like(ref, float("nan"), dtype=dtype)
     experts_forward(x, index, weights, w[0], w[1], EPILOGUES[epilogue], kernel="experts_grouped", config=WS_RULE,
                     out=out)
@@ -83,7 +77,7 @@ def test_store_mode_saves_the_pre_activation(case, monkeypatch):
     """P [S, 2I] in the model's column order (gate then up), each pair's row: x[t] @ W[e]^T rounded once."""
     x, index, weights, w, dtype = _case(case)
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
-    ran = _recording(monkeypatch)
+    ran = recording(monkeypatch, experts_gated_ws)
     out, preact = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"],
                                               kernel="experts_grouped", config=WS_RULE)
     assert ran == [True], ran
@@ -100,7 +94,7 @@ def test_store_mode_saves_the_pre_activation(case, monkeypatch):
 def test_what_it_cannot_take_runs_the_other_kernel(monkeypatch):
     """x with a column stride (cp.async copies 16-byte rows) and a K off the 64-wide step: the one-program-per-tile
     kernel, as right."""
-    ran = _recording(monkeypatch)
+    ran = recording(monkeypatch, experts_gated_ws)
     for t, k, strided in ((600, 128, True), (600, 96, False)):
         w = expert_weights(4, k, 64, LAYOUTS[0], False, torch.bfloat16)
         x = torch.randn(t, 2 * k if strided else k).to(DEVICE, torch.bfloat16)
@@ -116,7 +110,7 @@ def test_what_it_cannot_take_runs_the_other_kernel(monkeypatch):
 def test_the_planner_runs_it_for_prefill_with_rows_of_any_stride(monkeypatch):
     """T >= 4096 on Hopper takes the warp-specialized rule; x a slice of wider rows (a 16-multiple stride) runs it.
     Store mode's forward keeps the one-program-per-tile kernel there (the rule's warp_specialized_preact)."""
-    ran = _recording(monkeypatch)
+    ran = recording(monkeypatch, experts_gated_ws)
     w = expert_weights(8, 256, 128, LAYOUTS[0], False, torch.bfloat16)
     x = torch.randn(4096, 256 + 64).to(DEVICE, torch.bfloat16)[:, 64:]
     index, weights = routing(4096, 8, 4)
@@ -131,7 +125,7 @@ def test_the_planner_runs_it_for_prefill_with_rows_of_any_stride(monkeypatch):
 
 def test_a_ring_wider_than_the_rule(monkeypatch):
     """4 stages of 64-wide steps (the most that fits beside h's handoff), and 5 of 32 with P stored."""
-    ran = _recording(monkeypatch)
+    ran = recording(monkeypatch, experts_gated_ws)
     x, index, weights, w, dtype = _case("many_tiles")
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
     config = dataclasses.replace(WS_RULE, ws_stages=4, ws_preact_block_k=32, ws_preact_stages=5)
