@@ -13,8 +13,8 @@ sums a token's pairs. Each persistent program (one per SM) holds three groups of
   of up to 128 columns, two side by side for 256): wgmma into an fp32 accumulator, then into
   the shared handoff (fp32 where it fits beside the ring, else in dx_pair's dtype: either way
   rounded once, to dx_pair's dtype);
-- the epilogue group (EPILOGUE_WARPS warps): writes the handoff's rows to dx_pair by pair in
-  [EPILOGUE_M, BLOCK_N] slices while the next tile's MMAs run.
+- the epilogue group (`experts_ws_jit.handoff_rows_epilogue`, EPILOGUE_WARPS warps): writes the
+  handoff's rows to dx_pair by pair in [EPILOGUE_M, BLOCK_N] slices while the next tile's MMAs run.
 
 What it takes (`can_run`): 16-bit operands without a low-rank segment, Wgu in the [E, 2I, K]
 layout with its experts one after the other (gpt-oss's [E, K, 2I] is not), 2I a multiple of
@@ -27,43 +27,17 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .device import capability, interpreting, num_sms
 from .experts_backward_config import ExpertsBackwardConfig
-from .experts_ws_jit import block_tiles_mma, gathered_rows_loader
-from .jit_common import tile_pid
+from .experts_ws_jit import block_tiles_mma, gathered_rows_loader, handoff_rows_epilogue
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, partition_barrier, ring_barriers
+from .ws_jit import SHARED_MEMORY_BYTES, ring_barriers
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
-
-
-@gluon.jit
-def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, dx_ptr, NUM_PAIRS, NUM_BLOCKS, K,
-              NUM_EXPERTS, stride_dxm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_WARPS: gl.constexpr):
-    """Per tile, the handoff in [EPILOGUE_M, BLOCK_N] slices, rounded once, into dx_pair's rows (by pair)."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [EPILOGUE_WARPS, 1], [1, 0])
-    tiles_n = gl.cdiv(K, BLOCK_N)
-    tiles_done = 0
-    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-            mbarrier.wait(handoff_ready, tiles_done & 1)
-            for r in gl.static_range(BLOCK_M // EPILOGUE_M):
-                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + r * EPILOGUE_M
-                                + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout)))
-                value = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout).to(gl.float32)
-                gl.store(dx_ptr + pairs[:, None].to(gl.int64) * stride_dxm + cols[None, :],
-                         value.to(dx_ptr.dtype.element_ty), mask=(pairs < NUM_PAIRS)[:, None] & (cols < K)[None, :])
-            partition_barrier()
-            mbarrier.arrive(handoff_free, count=1)
-            tiles_done += 1
 
 
 @gluon.jit
@@ -92,7 +66,7 @@ def _experts_dx_ws_kernel(
         (gathered_rows_loader, (dp_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                                 NUM_PAIRS, NUM_BLOCKS, N2, K, NUM_EXPERTS, stride_dpm, TOP_K, False,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
-        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, dx_ptr, NUM_PAIRS, NUM_BLOCKS, K,
+        (handoff_rows_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, dx_ptr, NUM_PAIRS, NUM_BLOCKS, K,
                      NUM_EXPERTS, stride_dxm, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_WARPS)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
 

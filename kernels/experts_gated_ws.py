@@ -15,8 +15,8 @@ holds three groups of warps that hand work on through shared memory and mbarrier
   accumulators by wgmma (gate and up of one element in one thread); with STORE_PREACT, gate and
   up stored to P's rows from registers; then the epilogue's math on them in registers, and h in
   x's dtype into the shared handoff;
-- the epilogue group (EPILOGUE_WARPS warps): writes the handoff's rows to h by pair in
-  [EPILOGUE_M, BLOCK_N] slices while the next tile's MMAs run.
+- the epilogue group (`experts_ws_jit.handoff_rows_epilogue`, EPILOGUE_WARPS warps): writes the
+  handoff's rows to h by pair in [EPILOGUE_M, BLOCK_N] slices while the next tile's MMAs run.
 
 Blocks of the routing with no expert (ids >= NUM_EXPERTS: padding) are skipped by all three
 groups alike; padding pairs load zeros and store nothing. What it takes (`can_run`): 16-bit
@@ -38,7 +38,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .configs import ExpertsConfig
 from .device import capability, interpreting, num_sms
 from .experts_jit import experts_epilogue
-from .experts_ws_jit import gathered_rows_loader
+from .experts_ws_jit import gathered_rows_loader, handoff_rows_epilogue
 from .jit_common import tile_pid
 from .launcher import FastLaunch
 from .ws_jit import SHARED_MEMORY_BYTES, partition_barrier, ring_barriers
@@ -98,31 +98,6 @@ def _gated_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_fre
 
 
 @gluon.jit
-def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS, NUM_BLOCKS, I,
-              NUM_EXPERTS, stride_hm, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-              NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_WARPS: gl.constexpr):
-    """Per tile, the handoff in [EPILOGUE_M, BLOCK_N] slices into h's rows by pair."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [EPILOGUE_WARPS, 1], [1, 0])
-    tiles_n = gl.cdiv(I, BLOCK_N)
-    tiles_done = 0
-    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-            mbarrier.wait(handoff_ready, tiles_done & 1)
-            for r in gl.static_range(BLOCK_M // EPILOGUE_M):
-                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + r * EPILOGUE_M
-                                + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout)))
-                mask = (pairs < NUM_PAIRS)[:, None] & (cols < I)[None, :]
-                rows = pairs.to(gl.int64)[:, None]
-                h = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout)
-                gl.store(h_ptr + rows * stride_hm + cols[None, :], h, mask=mask)
-            partition_barrier()
-            mbarrier.arrive(handoff_free, count=1)
-            tiles_done += 1
-
-
-@gluon.jit
 def _experts_gated_ws_kernel(
     x_ptr, pairs_ptr, blocks_ptr, h_ptr, p_ptr, w_desc,
     NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, stride_hm, stride_pm,
@@ -151,7 +126,7 @@ def _experts_gated_ws_kernel(
                                 NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, TOP_K, True,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
                                 True)),
-        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS, NUM_BLOCKS, I,
+        (handoff_rows_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS, NUM_BLOCKS, I,
                      NUM_EXPERTS, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_WARPS)),
     ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
 

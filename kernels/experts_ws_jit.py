@@ -1,4 +1,4 @@
-"""The loader and MMA partitions of the experts' per-block warp-specialized Hopper kernels, in Gluon.
+"""The loader, MMA and row-storing epilogue partitions of the experts' per-block warp-specialized Hopper kernels, in Gluon.
 
 Shared by `experts_dh_ws.py` (G = dOut[t] @ Wd[e]) and `experts_dx_ws.py` (dx_pair = dP[p] @
 Wgu[e]), the loader also by `experts_gated_ws.py` (the forward: x[t] @ W[e]'s gate and up rows^T):
@@ -17,7 +17,9 @@ NUM_EXPERTS: padding) are skipped by every partition alike.
   gate rows [0, N) and up rows [N, 2N) of each expert) and a stage holds two [BLOCK_N, BLOCK_K]
   boxes, the tile's gate rows at b_ring[2 s] and its up rows at b_ring[2 s + 1];
 - `block_tiles_mma`: each tile by wgmma over the ring (`ws_jit.mma_tile_to_handoff`) into the
-  shared handoff buffer, which the kernel's own epilogue partition reads.
+  shared handoff buffer, which the kernel's own epilogue partition reads;
+- `handoff_rows_epilogue`: the epilogue partition that stores the handoff's rows by pair (dX's and
+  the forward's).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
 
 from .jit_common import tile_pid
-from .ws_jit import cp_async, last_rows_landed, mma_tile_to_handoff, rows_landed, tma_load
+from .ws_jit import cp_async, last_rows_landed, mma_tile_to_handoff, partition_barrier, rows_landed, tma_load
 
 
 @gluon.jit
@@ -92,3 +94,29 @@ def block_tiles_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handof
             step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready,
                                                    handoff_free, k_tiles, step, tiles_done, BLOCK_M, BLOCK_N,
                                                    NUM_STAGES, MMA_WARPS, WARPS_N=WARPS_N)
+
+
+@gluon.jit
+def handoff_rows_epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, out_ptr, NUM_PAIRS, NUM_BLOCKS,
+                          N, NUM_EXPERTS, stride_om, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr,
+                          EPILOGUE_WARPS: gl.constexpr):
+    """Per tile, the handoff in [EPILOGUE_M, BLOCK_N] slices, rounded once to out's dtype, into out's rows [S, N]
+    by pair (dX's dx_pair, the forward's h); the handoff freed for the next tile after each."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [EPILOGUE_WARPS, 1], [1, 0])
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    tiles_done = 0
+    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
+        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
+        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            mbarrier.wait(handoff_ready, tiles_done & 1)
+            for r in gl.static_range(BLOCK_M // EPILOGUE_M):
+                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + r * EPILOGUE_M
+                                + gl.arange(0, EPILOGUE_M, layout=gl.SliceLayout(1, layout)))
+                value = handoff.slice(r * EPILOGUE_M, EPILOGUE_M, dim=0).load(layout).to(gl.float32)
+                gl.store(out_ptr + pairs[:, None].to(gl.int64) * stride_om + cols[None, :],
+                         value.to(out_ptr.dtype.element_ty), mask=(pairs < NUM_PAIRS)[:, None] & (cols < N)[None, :])
+            partition_barrier()
+            mbarrier.arrive(handoff_free, count=1)
+            tiles_done += 1
