@@ -375,7 +375,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
         down_strides = _down_strides(down, layout)
         use_ws = dh_ws is not None and experts_dh_ws.can_run(dout, down, down_strides, inter, has_bias, bool(lr_d),
                                                               config)
-        tiles_i = ceil_div(inter, config.block_n)
+        tiles_i = ceil_div(inter, experts_dh_ws.tile_n(config) if use_ws else config.block_n)
         dw_part = torch.zeros((num_pairs, tiles_i), dtype=torch.float32, device=x.device)
         if use_ws:
             dh_ws(dout, sorted_pairs, block_expert, top_k_weights, down, down_strides, preact, dpre, hw, dw_part,

@@ -12,9 +12,10 @@ three groups of warps that hand work on through shared memory and mbarriers:
   cp.async (gathered by token: Hopper's TMA has no row gather) and one [BLOCK_K, BLOCK_N] box of
   Wd[e] by TMA, into a ring of NUM_STAGES buffers. A step's rows are waited for LAG steps later
   (cp.async groups), then fenced for the tensor cores and signalled;
-- the MMA group (the default partition, `num_warps` warps): wgmma over the ring into one fp32
-  accumulator [BLOCK_M, BLOCK_N], written when the tile is done into one shared handoff buffer
-  (fp32 where it fits beside the ring, else in dOut's dtype);
+- the MMA group (the default partition, `num_warps` warps: one warpgroup for tiles of up to 128
+  columns, two side by side for 256): wgmma over the ring into one fp32 accumulator
+  [BLOCK_M, BLOCK_N], written when the tile is done into one shared handoff buffer (fp32 where it
+  fits beside the ring, else in dOut's dtype: G rounded once, as HF eager's backward rounds it);
 - the epilogue group (EPILOGUE_WARPS warps): reads the handoff in [EPILOGUE_M, EPILOGUE_N]
   slices, gathers P's rows by pair, and writes dP, hw and dw_part.
 
@@ -112,7 +113,7 @@ def _experts_dh_ws_kernel(
     NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr, LOADER_WARPS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr, EPILOGUE_M: gl.constexpr, EPILOGUE_N: gl.constexpr,
     EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGISTERS: gl.constexpr, HANDOFF_FP32: gl.constexpr,
-    num_warps: gl.constexpr,
+    WARPS_N: gl.constexpr, num_warps: gl.constexpr,
 ):
     dtype: gl.constexpr = dy_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
@@ -126,7 +127,7 @@ def _experts_dh_ws_kernel(
     gl.warp_specialize([
         (block_tiles_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS,
                            K_OUT, I, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES,
-                           num_warps)),
+                           num_warps, WARPS_N)),
         (gathered_rows_loader, (dy_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                                 NUM_PAIRS, NUM_BLOCKS, K_OUT, I, NUM_EXPERTS, stride_dym, TOP_K, True,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS)),
@@ -156,33 +157,45 @@ def can_run(dout: torch.Tensor, down: torch.Tensor, down_strides: tuple[int, int
             and down.data_ptr() % 16 == 0 and dout.data_ptr() % 16 == 0)
 
 
+def tile_n(config: ExpertsBackwardConfig) -> int:
+    """The kernel's tile along I: config.dh_ws_block_n, else config.block_n (the one-program-per-tile
+    kernel's); dw_part has one column per tile."""
+    return config.dh_ws_block_n or config.block_n
+
+
 def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gate_step: int):
     """A launcher `(dout [T, K_out], sorted_pairs, block_expert, top_k_weights [T, TOP_K], down,
-    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, I / block_n] fp32, num_experts,
-    up_shift)` running one persistent program per SM, for calls that passed `can_run`; writes
-    dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
+    down_strides, preact [S, 2I], dpreact, hw [S, I], dw_part [S, cdiv(I, tile_n(config))] fp32,
+    num_experts, up_shift)` running one persistent program per SM, for calls that passed `can_run`;
+    writes dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
 
-    config: the pairs' block_m (128) x block_n (up to 128: one warpgroup of 4 MMA warps) tiles,
-    block_k steps, dh_num_stages (or num_stages) ring buffers, group_m; the loader and the epilogue
-    take 4 warps each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
+    config: the pairs' block_m (128) x `tile_n(config)` tiles (a multiple of 16 up to 128: one
+    warpgroup of 4 MMA warps; or 256: two side by side), block_k steps, dh_num_stages (or
+    num_stages) ring buffers, group_m; the loader and the epilogue take 4 warps each at
+    config.dh_ws_registers = (loader, epilogue) registers a thread."""
     stages = config.dh_num_stages or config.num_stages
     if stages < 3:  # the loader signals a stage LAG >= 1 steps late and the MMA holds one wgmma in flight
         raise ValueError(f"experts_dh_ws: a ring of at least 3 stages, got {stages} (with 2 the loader and the MMA group "
                          f"wait on each other)")
-    if config.block_m != 128 or config.block_n % EPILOGUE_N or config.block_n > 128 or config.block_k > 256:
-        raise ValueError(f"experts_dh_ws: 128-row blocks and block_n a multiple of {EPILOGUE_N} up to 128, got "
-                         f"{config.block_m}x{config.block_n}x{config.block_k}")
-    ring_bytes = stages * (config.block_m + config.block_n) * config.block_k * 2
+    bm, bn, bk = config.block_m, tile_n(config), config.block_k
+    if bm != 128 or not (bn % EPILOGUE_N == 0 and bn <= 128 or bn == 256) or bk > 256:
+        raise ValueError(f"experts_dh_ws: 128-row blocks and a tile along I that is a multiple of {EPILOGUE_N} up to "
+                         f"128, or 256, got {bm}x{bn}x{bk}")
+    ring_bytes = stages * (bm + bn) * bk * 2
+    if ring_bytes + bm * bn * 2 > SHARED_MEMORY_BYTES:
+        raise ValueError(f"experts_dh_ws: {stages} stages and the handoff take {ring_bytes + bm * bn * 2} bytes of "
+                         f"shared memory, over Hopper's {SHARED_MEMORY_BYTES}: fewer stages")
     loader_registers, epilogue_registers = config.dh_ws_registers
     fixed = dict(
-        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, GROUP_M=config.group_m, NUM_STAGES=stages, LAG=max(1, stages - 2),
+        TOP_K=top_k, GATE_STEP=gate_step, **epilogue, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_M=config.group_m, NUM_STAGES=stages, LAG=max(1, stages - 2),
         LOADER_WARPS=LOADER_WARPS, LOADER_REGISTERS=loader_registers,
-        EPILOGUE_M=min(config.block_m, 2 * (32 * 8 // EPILOGUE_N) * EPILOGUE_WARPS), EPILOGUE_N=EPILOGUE_N,
+        EPILOGUE_M=(32 * 8 // EPILOGUE_N) * EPILOGUE_WARPS * (2 if bn <= 128 else 1), EPILOGUE_N=EPILOGUE_N,
         EPILOGUE_WARPS=EPILOGUE_WARPS, EPILOGUE_REGISTERS=epilogue_registers,
-        HANDOFF_FP32=ring_bytes + config.block_m * config.block_n * 4 <= SHARED_MEMORY_BYTES, num_warps=4,
+        HANDOFF_FP32=ring_bytes + bm * bn * 4 <= SHARED_MEMORY_BYTES, WARPS_N=1 if bn <= 128 else 2,
+        num_warps=4 if bn <= 128 else 8,
     )
-    wd_block = [config.block_k, config.block_n]
+    wd_block = [bk, bn]
     kernels: dict[int, FastLaunch] = {}  # programs -> launcher
 
     def launch(dout, sorted_pairs, block_expert, top_k_weights, down, down_strides, preact, dpreact, hw, dw_part,

@@ -69,11 +69,11 @@ def compile_for_hopper(config: ExpertsBackwardConfig, dtype: torch.dtype, epilog
                    blocks_ptr=torch.empty(s // 128, dtype=torch.int64), rw_ptr=torch.empty(t, top_k, dtype=dtype),
                    p_ptr=torch.empty(s, 2 * i, dtype=dtype),
                    dp_ptr=torch.empty(s, 2 * i, dtype=dtype), hw_ptr=torch.empty(s, i, dtype=dtype),
-                   dw_ptr=torch.empty(s, i // config.block_n, dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
+                   dw_ptr=torch.empty(s, i // ws.tile_n(config), dtype=torch.float32), NUM_PAIRS=s, NUM_BLOCKS=s // 128,
                    K_OUT=k_out, I=i, UP_SHIFT=i, NUM_EXPERTS=e, stride_dym=k_out, stride_rt=top_k, stride_rj=1,
                    stride_pm=2 * i, stride_dpm=2 * i, stride_hm=i,
-                   stride_dwm=i // config.block_n)
-    block = [config.block_k, config.block_n]
+                   stride_dwm=i // ws.tile_n(config))
+    block = [config.block_k, ws.tile_n(config)]
     runtime["wd_desc"] = TensorDescriptor.from_tensor(torch.empty(e * k_out, i, dtype=dtype), block,
                                                       gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
     return _compile(ws._experts_dh_ws_kernel, fixed, runtime), fixed

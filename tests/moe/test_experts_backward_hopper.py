@@ -53,15 +53,22 @@ def _check_case(cases: dict, case: str, config) -> None:
                     kernel="experts_backward_grouped", config=config)
 
 
+# the dH kernel's two MMA layouts and two handoffs: (tile along I, stages, (loader, epilogue) registers)
+DH_TILES = {"128_s4": (128, 4, WS_CONFIG.dh_ws_registers), "256_s3": (256, 3, (64, 96))}
+
+
 @pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("tile", list(DH_TILES))
 @pytest.mark.parametrize("case", list(WS_CASES))
-def test_the_warp_specialized_dh_kernel(case, monkeypatch):
+def test_the_warp_specialized_dh_kernel(case, tile, monkeypatch):
     """`experts_dh_ws.py` in place of the one-program-per-tile dH kernel, against float64: it must be the
     kernel that ran (no fallback), and every gradient within twice torch's own error."""
     from swiglu_patch.kernels import experts_dh_ws
 
     ran = recording(monkeypatch, experts_dh_ws)
-    _check_case(WS_CASES, case, WS_CONFIG)
+    width, stages, registers = DH_TILES[tile]
+    _check_case(WS_CASES, case, dataclasses.replace(WS_CONFIG, dh_ws_block_n=width, dh_num_stages=stages,
+                                                     dh_ws_registers=registers))
     assert ran == [True]
 
 
