@@ -93,7 +93,7 @@ def flops(shape: MoEShape, tokens: int) -> float:
 
 
 SWEEP_NAMES = ("rule", "untuned", "first_hopper", "dh_s3", "dh64", "wg256x128", "w4", "wg_r64", "wg_r64_s3", "wg128_r64_s3",
-               "wg_r32_s4", "wg_triton", "wg_ws_128", "wg_ws_r32_s6", "bm256", "dx_triton", "dx_ws_128", "dh_ws_256")
+               "wg_r32_s4", "wg_triton", "wg_ws_128", "wg_ws_r32_s6", "bm256", "dx_triton", "dx_ws_128", "dh_ws_128")
 
 
 def sweep_configs() -> dict:
@@ -108,8 +108,8 @@ def sweep_configs() -> dict:
     256-pair blocks (dH by the one-program-per-tile kernel: the warp-specialized one takes 128-pair blocks); the
     Hopper rule with dX by the one-program-per-tile kernel ("dx_triton", where the rule runs `experts_dx_ws.py` on
     128x256 tiles: "dx_ws" at 82bebf9) and by `experts_dx_ws.py` on 128x128 tiles at 4 stages ("dx_ws_128", "dx_ws" at
-    8d04651); and the Hopper rule with dH by `experts_dh_ws.py` on 128x256 tiles at 3 stages ("dh_ws_256": two MMA
-    warpgroups side by side, G handed over in 16 bits)."""
+    8d04651); and the Hopper rule with dH by `experts_dh_ws.py` on 128x128 tiles at 4 stages with an fp32 handoff
+    ("dh_ws_128", where the rule runs 128x256 tiles at 3 stages: "dh_ws_256" at f715f6b)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig as C
@@ -136,7 +136,7 @@ def sweep_configs() -> dict:
         "bm256": replace(rule, block_m=256, dh_warp_specialized=False),
         "dx_triton": replace(rule, dx_warp_specialized=False),
         "dx_ws_128": replace(rule, dx_warp_specialized=True, dx_ws_block_n=128, dx_ws_stages=4),
-        "dh_ws_256": replace(rule, dh_ws_block_n=256, dh_num_stages=3, dh_ws_registers=(64, 96)),
+        "dh_ws_128": replace(rule, dh_ws_block_n=None, dh_ws_stages=None, dh_ws_registers=(96, 192)),
     }
 
 

@@ -31,8 +31,9 @@ class ExpertsBackwardConfig:
         dh_warp_specialized: on Hopper, run dH as the warp-specialized kernel (`experts_dh_ws.py`:
             its epilogue beside the next tile's MMAs) where it can take the call; its ring has
             dh_num_stages (or num_stages) stages and its own shared memory (not the budget).
-        dh_ws_block_n: that kernel's tile along I (None: block_n): up to 128 with one MMA
-            warpgroup, or 256 with two side by side and G handed to the epilogue in dOut's dtype.
+        dh_ws_block_n, dh_ws_stages: that kernel's tile along I (None: block_n; up to 128 with
+            one MMA warpgroup, or 256 with two side by side and G handed to the epilogue in dOut's
+            dtype) and its ring's stages (None: dh_num_stages, or num_stages).
         dh_ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
         wgrad_warp_specialized: on Hopper, run the two weight gradients as the persistent
             warp-specialized kernel (`experts_wgrad_ws.py`: the next tile's loads and MMAs beside a
@@ -64,6 +65,7 @@ class ExpertsBackwardConfig:
     smem_budget_kib: int = 160
     dh_warp_specialized: bool = False
     dh_ws_block_n: int | None = None
+    dh_ws_stages: int | None = None
     dh_ws_registers: tuple[int, int] = (96, 192)
     wgrad_warp_specialized: bool = False
     wgrad_ws_tile: tuple[int, int] = (256, 128)
@@ -85,7 +87,8 @@ class ExpertsBackwardConfig:
         wg_s = ("" if self.wgrad_num_stages is None else f" s{self.wgrad_num_stages}") + (
             "" if self.wgrad_rows is None else f" r{self.wgrad_rows}")
         if self.dh_warp_specialized:
-            dh_s += " ws" if self.dh_ws_block_n is None else f" ws {self.dh_ws_block_n}"
+            dh_s += (" ws" + ("" if self.dh_ws_block_n is None else f" {self.dh_ws_block_n}")
+                     + ("" if self.dh_ws_stages is None else f" s{self.dh_ws_stages}"))
         if self.wgrad_warp_specialized:
             wg_s += f" ws {self.wgrad_ws_tile[0]}x{self.wgrad_ws_tile[1]}"
         dx_s = f" ws {self.dx_ws_block_n} s{self.dx_ws_stages}" if self.dx_warp_specialized else ""

@@ -170,10 +170,10 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, top_k: int, gat
     writes dpreact (may be preact), hw and dw_part as `_experts_dh_kernel` does.
 
     config: the pairs' block_m (128) x `tile_n(config)` tiles (a multiple of 16 up to 128: one
-    warpgroup of 4 MMA warps; or 256: two side by side), block_k steps, dh_num_stages (or
-    num_stages) ring buffers, group_m; the loader and the epilogue take 4 warps each at
-    config.dh_ws_registers = (loader, epilogue) registers a thread."""
-    stages = config.dh_num_stages or config.num_stages
+    warpgroup of 4 MMA warps; or 256: two side by side), block_k steps, dh_ws_stages (or
+    dh_num_stages, or num_stages) ring buffers, group_m; the loader and the epilogue take 4 warps
+    each at config.dh_ws_registers = (loader, epilogue) registers a thread."""
+    stages = config.dh_ws_stages or config.dh_num_stages or config.num_stages
     if stages < 3:  # the loader signals a stage LAG >= 1 steps late and the MMA holds one wgmma in flight
         raise ValueError(f"experts_dh_ws: a ring of at least 3 stages, got {stages} (with 2 the loader and the MMA group "
                          f"wait on each other)")

@@ -230,6 +230,7 @@ MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json", "h100/moe_train/dh_ws
 MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train/wgrad_ws_256/results.json",
                          "h100/moe_train/wgrad_ws_rule/results.json")
 MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws256/results.json")
+MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json",)
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
@@ -256,15 +257,20 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
          m=(65, 512), why="tens of rows per expert: 64-row blocks, as the forward's rule; not yet timed"),
     Rule("experts_backward_grouped", EBC(128, 128, 64, 128, 64, 128, 128, group_m=8, num_warps=8, num_stages=3,
                                          dh_num_stages=4, wgrad_num_stages=3, wgrad_rows=64, smem_budget_kib=224,
-                                         dh_warp_specialized=True, wgrad_warp_specialized=True,
+                                         dh_warp_specialized=True, dh_ws_block_n=256, dh_ws_stages=3,
+                                         dh_ws_registers=(64, 96), wgrad_warp_specialized=True,
                                          wgrad_ws_tile=(256, 128), dx_warp_specialized=True, dx_ws_block_n=256,
                                          dx_ws_stages=3),
-         HOPPERS, m=(513, None), sweep=MOE_BACKWARD + MOE_BACKWARD_DH_WS + MOE_BACKWARD_WGRAD_WS + MOE_BACKWARD_DX_WS,
-         why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages, 128x128 "
+         HOPPERS, m=(513, None), sweep=MOE_BACKWARD + MOE_BACKWARD_DH_WS + MOE_BACKWARD_WGRAD_WS + MOE_BACKWARD_DX_WS
+         + MOE_BACKWARD_DH_WS_256,
+         why="training batches on Hopper (227 KiB of shared memory a block): a 128x128 dH tile at 4 stages (the "
+             "one-program-per-tile kernel's), 128x128 "
              "weight-gradient tiles reducing 64 rows a step at 3 stages; per kernel 0.69x (dH), 0.77x (dWd) and 0.80x "
              "(dWgu) the time of the tiles below at Qwen3-30B-A3B T = 16384; the weight-gradient kernels 0.86-0.92x "
              "those of 128x256 tiles over whole blocks on OLMoE; dH warp-specialized where it can take the call "
-             "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384); the weight "
+             "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384), on 128x256 tiles at "
+             "3 stages (two MMA warpgroups, G handed over in 16 bits: 0.85x and 0.85x its 128x128 tiles' dH time at "
+             "T = 16384, 0.93x and 0.88x at 4096, Qwen3-30B-A3B and OLMoE; the backward 0.97-0.99x); the weight "
              "gradients by the persistent warp-specialized kernel with 256x128 tiles where it can take the call (0.84-"
              "0.96x the 128x128 one-program-per-tile kernel's time, 1.015x on OLMoE's dW_gate_up at T = 16384; its "
              "128x128 tiles 1.16-1.18x, its 256x128 tiles at 32 rows a step 1.02-1.22x); dX by the warp-specialized "

@@ -50,6 +50,16 @@ def _stages(config: dict, key: str) -> str:
     return "" if config.get(key) is None else f" s{config[key]}"
 
 
+def _ws(config: dict, kernel: str) -> str:
+    """" ws", " ws 256 s3": the warp-specialized dH or dX kernel's tile along its columns and stages where the
+    config runs it ("dh": `dh_ws_block_n`, `dh_ws_stages` where given; "dx": `dx_ws_block_n`, `dx_ws_stages`);
+    "" where it does not."""
+    if not config.get(f"{kernel}_warp_specialized"):
+        return ""
+    width = config.get(f"{kernel}_ws_block_n")
+    return " ws" + ("" if width is None else f" {width}") + _stages(config, f"{kernel}_ws_stages")
+
+
 BACKWARD_KERNELS = (("_experts_dh_kernel", "dH"), ("_experts_wgrad_kernel", "dWd"), ("_experts_wgrad_kernel", "dWgu"),
                     ("_experts_dx_kernel", "dX"))
 
@@ -112,8 +122,8 @@ def render_markdown(data: dict) -> str:
                 ratio = None if v["ms"] is None or not v["rule_ms"] else v["ms"] / v["rule_ms"]
                 c = v["config"]
                 tiles = (f"{c['block_m']}: dH {c['block_n']}x{c['block_k']}{_stages(c, 'dh_num_stages')}"
-                         f"{' ws' if c.get('dh_warp_specialized') else ''}, "
-                         f"dX {c['dx_block_n']}x{c['dx_block_k']}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
+                         f"{_ws(c, 'dh')}, "
+                         f"dX {c['dx_block_n']}x{c['dx_block_k']}{_ws(c, 'dx')}, dW {c['wgrad_block_a']}x{c['wgrad_block_b']}"
                          f"{_stages(c, 'wgrad_num_stages')}{' r' + str(c['wgrad_rows']) if c.get('wgrad_rows') else ''}"
                          f"{_wgrad_ws(c)}, "
                          f"w{c['num_warps']} s{c['num_stages']}"

@@ -54,7 +54,7 @@ def _check_case(cases: dict, case: str, config) -> None:
 
 
 # the dH kernel's two MMA layouts and two handoffs: (tile along I, stages, (loader, epilogue) registers)
-DH_TILES = {"128_s4": (128, 4, WS_CONFIG.dh_ws_registers), "256_s3": (256, 3, (64, 96))}
+DH_TILES = {"128_s4": (128, 4, (96, 192)), "256_s3": (256, 3, (64, 96))}
 
 
 @pytest.mark.skipif(not HOPPER_GPU, reason="the warp-specialized dH kernel runs on Hopper GPUs only")
@@ -67,7 +67,7 @@ def test_the_warp_specialized_dh_kernel(case, tile, monkeypatch):
 
     ran = recording(monkeypatch, experts_dh_ws)
     width, stages, registers = DH_TILES[tile]
-    _check_case(WS_CASES, case, dataclasses.replace(WS_CONFIG, dh_ws_block_n=width, dh_num_stages=stages,
+    _check_case(WS_CASES, case, dataclasses.replace(WS_CONFIG, dh_ws_block_n=width, dh_ws_stages=stages,
                                                      dh_ws_registers=registers))
     assert ran == [True]
 

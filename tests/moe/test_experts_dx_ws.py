@@ -53,7 +53,7 @@ def test_every_warp_specialized_experts_kernel_refuses_a_ring_of_two_stages(kern
     from swiglu_patch.kernels.epilogue import GatedEpilogue
 
     module = importlib.import_module(f"swiglu_patch.kernels.{kernel}")
-    config = dataclasses.replace(HOPPER_RULE.config, dh_num_stages=2, wgrad_num_stages=2, dx_ws_stages=2)
+    config = dataclasses.replace(HOPPER_RULE.config, dh_ws_stages=2, wgrad_num_stages=2, dx_ws_stages=2)
     epilogue = dict(GatedEpilogue.of("silu").constexprs(), ALPHA=0.0, APPROX_TANH=False)
     with pytest.raises(ValueError, match="a ring of at least 3 stages"):
         if kernel == "experts_dh_ws":
