@@ -123,6 +123,11 @@ class ExpertsConfig:
         warp_specialized_preact: the same for calls that also store P (training's store mode),
             with ws_preact_block_k steps at ws_preact_stages stages;
         ws_registers: that kernel's registers a thread in its (loader, epilogue) warps.
+        down_warp_specialized: on Hopper, run the down GEMM as the warp-specialized kernel
+            (`experts_down_ws.py`: block_m x down_ws_block_n tiles stepping down_ws_block_k over I,
+            y's stores beside the next tile's MMAs) where it can take the call, with a ring of
+            down_ws_stages stages; down_ws_registers: its registers a thread in its (loader,
+            epilogue) warps.
     """
 
     block_m: int
@@ -139,14 +144,22 @@ class ExpertsConfig:
     ws_preact_block_k: int = 64
     ws_preact_stages: int = 3
     ws_registers: tuple[int, int] = (80, 64)
+    down_warp_specialized: bool = False
+    down_ws_block_n: int = 256
+    down_ws_block_k: int = 64
+    down_ws_stages: int = 3
+    down_ws_registers: tuple[int, int] = (96, 96)
 
     def short(self) -> str:
-        """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact s4" where warp-specialized)."""
+        """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact 64s4", down's " ws 256x64s3" where
+        warp-specialized)."""
         ws = f" ws s{self.ws_stages}" if self.warp_specialized else ""
         if self.warp_specialized_preact:
             ws += f" ws-preact {self.ws_preact_block_k}s{self.ws_preact_stages}"
-        return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}, "
-                f"g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
+        down_ws = (f" ws {self.down_ws_block_n}x{self.down_ws_block_k}s{self.down_ws_stages}"
+                   if self.down_warp_specialized else "")
+        return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}"
+                f"{down_ws}, g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,8 @@ Padding rows (pair id S) and unused blocks (expert E) load nothing and store not
 
 A config with warp_specialized (warp_specialized_preact: for calls storing P) runs the gated GEMM
 as `experts_gated_ws.py` (Gluon, Hopper) where that kernel can take the call (its `can_run`:
-chunked 16-bit weights, no bias, no low-rank segment).
+chunked 16-bit weights, no bias, no low-rank segment); one with down_warp_specialized the down GEMM
+as `experts_down_ws.py` likewise.
 
 With HAS_LOW_RANK (LoRA on the experts, `experts_low_rank_jit`), the gated and the down GEMM run
 r more K steps after their main loop, x_lr[p] @ B[e]^T and h_lr[p] @ B_d[e]^T, before the bias
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import experts_gated_ws
+from . import experts_down_ws, experts_gated_ws
 from .configs import ExpertsConfig, KernelCapability, ceil_div
 from .experts_jit import experts_epilogue
 from .experts_low_rank_jit import _experts_project_kernel, low_rank_segment
@@ -283,6 +284,8 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
     ws = config.warp_specialized_preact if store_preact else config.warp_specialized
     gated_ws = (experts_gated_ws.make_launcher(config, epilogue, top_k, store_preact)
                 if ws and layout.concatenated and not (layout.transposed or has_bias or lr_gu) else None)
+    down_ws = (experts_down_ws.make_launcher(config, top_k)
+               if config.down_warp_specialized and not (has_bias or lr_d) else None)
     combine = FastLaunch(_experts_combine_kernel, dict(TOP_K=top_k, BLOCK_N=COMBINE_BLOCK, num_warps=4))
     project_x = project_launchers(top_k, config.block_m, lr_gu, True) if lr_gu else None
     project_h = project_launchers(top_k, config.block_m, lr_d, False) if lr_d else None
@@ -319,11 +322,15 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
             project(project_h, precision, h, sorted_pairs, block_expert, a_d, s_d, h_lr, num_pairs)
         lr_d_args = (h_lr, b_d, b_d.shape[2]) if lr_d else (h, h, 0)
         lr_d_strides = (h_lr.stride(0), *b_d.stride()) if lr_d else (0, 0, 0, 0)
-        down_kernel[precision](num_blocks * ceil_div(k_out, config.down_block_n), device,
-                               h, sorted_pairs, block_expert, top_k_weights, down, dbias, y, *lr_d_args[:2],
-                               num_pairs, num_blocks, k_out, inter, num_experts, lr_d_args[2], h.stride(0),
-                               *top_k_weights.stride(), *_down_strides(down, layout), dbias.stride(0), dbias.stride(1),
-                               y.stride(0), *lr_d_strides)
+        down_strides = _down_strides(down, layout)
+        if down_ws is not None and experts_down_ws.can_run(h, down, down_strides, y, has_bias, bool(lr_d), config):
+            down_ws(h, sorted_pairs, block_expert, top_k_weights, down, down_strides, y, num_experts)
+        else:
+            down_kernel[precision](num_blocks * ceil_div(k_out, config.down_block_n), device,
+                                   h, sorted_pairs, block_expert, top_k_weights, down, dbias, y, *lr_d_args[:2],
+                                   num_pairs, num_blocks, k_out, inter, num_experts, lr_d_args[2], h.stride(0),
+                                   *top_k_weights.stride(), *down_strides, dbias.stride(0), dbias.stride(1),
+                                   y.stride(0), *lr_d_strides)
         combine(t * ceil_div(k_out, COMBINE_BLOCK), device, y, top_k_index, out, k_out, num_experts, y.stride(0),
                 *top_k_index.stride(), *out.stride())
         return out

@@ -1,7 +1,8 @@
 """The loader, MMA and row-storing epilogue partitions of the experts' per-block warp-specialized Hopper kernels, in Gluon.
 
 Shared by `experts_dh_ws.py` (G = dOut[t] @ Wd[e]) and `experts_dx_ws.py` (dx_pair = dP[p] @
-Wgu[e]), the loader also by `experts_gated_ws.py` (the forward: x[t] @ W[e]'s gate and up rows^T):
+Wgu[e]), the loader and the epilogue also by `experts_gated_ws.py` (the forward: x[t] @ W[e]'s gate
+and up rows^T) and `experts_down_ws.py` (the forward's y[p] = w_p h[p] @ Wd[e]^T):
 per (block of BLOCK_M pairs of one expert e, N tile), the sum over the reduction axis (K_RED)
 of A[row(p)] @ W[e], with A's rows gathered by pair or by token (A_BY_TOKEN: p // TOP_K) and
 W[e] read as [K_RED, N] boxes of W seen as [E * K_RED, N] (the experts one after the other, N
@@ -15,7 +16,9 @@ NUM_EXPERTS: padding) are skipped by every partition alike.
   issued, once they have landed and are fenced for the tensor cores. With W_GATED (the forward's
   gated GEMM, `experts_gated_ws.py`) W is seen as [E * 2N, K_RED] instead (K_RED contiguous,
   gate rows [0, N) and up rows [N, 2N) of each expert) and a stage holds two [BLOCK_N, BLOCK_K]
-  boxes, the tile's gate rows at b_ring[2 s] and its up rows at b_ring[2 s + 1];
+  boxes, the tile's gate rows at b_ring[2 s] and its up rows at b_ring[2 s + 1]; with W_TRANSPOSED
+  (the forward's down GEMM, `experts_down_ws.py`) W is seen as [E * N, K_RED] (K_RED contiguous) and
+  a stage holds one [BLOCK_N, BLOCK_K] box;
 - `block_tiles_mma`: each tile by wgmma over the ring (`ws_jit.mma_tile_to_handoff`) into the
   shared handoff buffer, which the kernel's own epilogue partition reads;
 - `handoff_rows_epilogue`: the epilogue partition that stores the handoff's rows by pair (dX's and
@@ -38,8 +41,9 @@ def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, r
                          TOP_K: gl.constexpr, A_BY_TOKEN: gl.constexpr, BLOCK_M: gl.constexpr,
                          BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                          NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, LAG: gl.constexpr,
-                         LOADER_WARPS: gl.constexpr, W_GATED: gl.constexpr = False):
-    """Per K step, A's gathered rows by cp.async and W[e]'s box (W_GATED: gate and up boxes) by TMA into the ring."""
+                         LOADER_WARPS: gl.constexpr, W_GATED: gl.constexpr = False, W_TRANSPOSED: gl.constexpr = False):
+    """Per K step, A's gathered rows by cp.async and W[e]'s box (W_GATED: gate and up boxes; W_TRANSPOSED: a
+    [BLOCK_N, BLOCK_K] box) by TMA into the ring."""
     a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [LOADER_WARPS, 1], [1, 0])
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K_RED, BLOCK_K)
@@ -58,6 +62,8 @@ def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, r
             a_ptrs = a_ptr + rows[:, None] * stride_am + offs_ak[None, :]  # [BLOCK_M, BLOCK_K]
             if W_GATED:
                 first_row = expert.to(gl.int32) * 2 * N + pid_n * BLOCK_N  # the tile's gate rows in W as [E * 2N, K_RED]
+            elif W_TRANSPOSED:
+                first_row = expert.to(gl.int32) * N + pid_n * BLOCK_N  # the tile's rows in W as [E * N, K_RED]
             else:
                 first_row = expert.to(gl.int32) * K_RED  # of W[e] in W seen as [E * K_RED, N]
             for ki in range(k_tiles):
@@ -68,6 +74,9 @@ def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, r
                     mbarrier.expect(ready.index(s), 2 * w_desc.block_type.nbytes)
                     tma_load(w_desc, [first_row, ki * BLOCK_K], ready.index(s), b_ring.index(2 * s))
                     tma_load(w_desc, [first_row + N, ki * BLOCK_K], ready.index(s), b_ring.index(2 * s + 1))
+                elif W_TRANSPOSED:  # as W_GATED's: rows past N of a last tile are never stored
+                    mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
+                    tma_load(w_desc, [first_row, ki * BLOCK_K], ready.index(s), b_ring.index(s))
                 else:
                     mbarrier.expect(ready.index(s), w_desc.block_type.nbytes)
                     tma_load(w_desc, [first_row + ki * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_ring.index(s))

@@ -6,9 +6,10 @@
 - `ring_barriers`: the ring's and the handoff's mbarriers, allocated and initialised;
 - `rows_landed`, `last_rows_landed`: a loader's cp.async protocol: a stage's rows are waited
   for LAG steps after they were issued, fenced for the tensor cores, and signalled;
-- `mma_tile_to_handoff`: the MMA partition's work for one tile: wgmma over the operand ring into
-  an fp32 accumulator, each stage released as soon as its MMA retires, then the accumulator
-  written into the shared handoff buffer once the epilogue partition has freed it.
+- `mma_tile`, `accumulator_to_handoff`, and `mma_tile_to_handoff` (the two in turn): the MMA
+  partition's work for one tile: wgmma over the operand ring into an fp32 accumulator, each stage
+  released as soon as its MMA retires, then the accumulator written into the shared handoff
+  buffer once the epilogue partition has freed it.
 Nothing here launches anything.
 """
 
@@ -68,15 +69,14 @@ def last_rows_landed(ready, step, LAG: gl.constexpr, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, k_tiles, step, tiles_done,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False, WARPS_N: gl.constexpr = 1):
-    """One [BLOCK_M, BLOCK_N] tile: sum over k_tiles ring stages (from the running `step`; none
-    gives zeros) of a_ring[s] @ b_ring[s] (a_ring[s]^T where A_TRANSPOSED: stages [BLOCK_K,
-    BLOCK_M]) by wgmma in fp32, then into `handoff` (in its dtype) when the epilogue has freed it
-    (`handoff_free`, phase by `tiles_done`), signalled by `handoff_ready`. WARPS_N: warpgroups
-    side by side along N (2: each of two warpgroups takes BLOCK_N / 2 columns, a wgmma of half
-    the width). Returns (step, tiles_done) after the tile."""
+def mma_tile(a_ring, b_ring, ready, empty, k_tiles, step, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             NUM_STAGES: gl.constexpr, MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False,
+             WARPS_N: gl.constexpr = 1, B_TRANSPOSED: gl.constexpr = False):
+    """One [BLOCK_M, BLOCK_N] tile in fp32: the sum over k_tiles ring stages (from the running `step`;
+    none gives zeros) of a_ring[s] @ b_ring[s] by wgmma (a_ring[s]^T where A_TRANSPOSED: stages
+    [BLOCK_K, BLOCK_M]; b_ring[s]^T where B_TRANSPOSED: stages [BLOCK_N, BLOCK_K]), each stage
+    released as soon as its MMA retires. WARPS_N: warpgroups side by side along N (2: each of two
+    warpgroups takes BLOCK_N / 2 columns, a wgmma of half the width). Returns (acc, step)."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0],
                                                          warps_per_cta=[MMA_WARPS // WARPS_N, WARPS_N],
                                                          instr_shape=[16, BLOCK_N // WARPS_N, 16])
@@ -87,15 +87,37 @@ def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, ha
         a_stage = a_ring.index(s)
         if A_TRANSPOSED:
             a_stage = a_stage.permute((1, 0))
-        acc = warpgroup_mma(a_stage, b_ring.index(s), acc, is_async=True)
+        b_stage = b_ring.index(s)
+        if B_TRANSPOSED:
+            b_stage = b_stage.permute((1, 0))
+        acc = warpgroup_mma(a_stage, b_stage, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         # the MMA of the step before has retired: its stage is free
         mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=ki > 0)
         step += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((step + NUM_STAGES - 1) % NUM_STAGES), count=1, pred=k_tiles > 0)
+    return acc, step
+
+
+@gluon.jit
+def accumulator_to_handoff(acc, handoff, handoff_ready, handoff_free, tiles_done):
+    """acc into `handoff` (in its dtype) once the epilogue has freed it (`handoff_free`, phase by
+    `tiles_done`), signalled by `handoff_ready`. Returns tiles_done + 1."""
     mbarrier.wait(handoff_free, (tiles_done & 1) ^ 1)
     handoff.store(acc.to(handoff.dtype))
     partition_barrier()
     mbarrier.arrive(handoff_ready, count=1)
-    return step, tiles_done + 1
+    return tiles_done + 1
+
+
+@gluon.jit
+def mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, k_tiles, step, tiles_done,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        MMA_WARPS: gl.constexpr, A_TRANSPOSED: gl.constexpr = False, WARPS_N: gl.constexpr = 1):
+    """The MMA partition's work for one tile: `mma_tile`, then `accumulator_to_handoff`. Returns
+    (step, tiles_done) after the tile."""
+    acc, step = mma_tile(a_ring, b_ring, ready, empty, k_tiles, step, BLOCK_M, BLOCK_N, NUM_STAGES, MMA_WARPS,
+                         A_TRANSPOSED, WARPS_N)
+    tiles_done = accumulator_to_handoff(acc, handoff, handoff_ready, handoff_free, tiles_done)
+    return step, tiles_done

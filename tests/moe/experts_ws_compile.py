@@ -8,7 +8,8 @@ since Gluon compiles jit functions, not the interpreter's.
 EPILOGUE: "silu" or "gpt_oss" (silu with gpt-oss's alpha and clamp) compiles `experts_dh_ws`'s
 kernel; "wgrad_down" or "wgrad_gate_up" `experts_wgrad_ws`'s, as dW_down (A by token) or
 dW_gate_up (B by token); "dx" `experts_dx_ws`'s; "gated:ACT" or "gated_preact:ACT" (ACT one of
-`GATED_EPILOGUES`) the forward's `experts_gated_ws`, without or with P stored. CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON (the forward's: an `ExpertsConfig`'s).
+`GATED_EPILOGUES`) the forward's `experts_gated_ws`, without or with P stored; "down" the forward's
+`experts_down_ws`. CONFIG_JSON: an `ExpertsBackwardConfig`'s fields as JSON (the forward's: an `ExpertsConfig`'s).
 
 prints {"shared": bytes, "HANDOFF_FP32": bool} and writes the cubin to CUBIN_OUT.
 """
@@ -26,7 +27,7 @@ import torch
 import triton
 
 from swiglu_patch.kernels import experts_dh_ws as ws
-from swiglu_patch.kernels import experts_dx_ws, experts_gated_ws, experts_wgrad_ws
+from swiglu_patch.kernels import experts_down_ws, experts_dx_ws, experts_gated_ws, experts_wgrad_ws
 from swiglu_patch.kernels.configs import ExpertsConfig
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.experts_backward_config import ExpertsBackwardConfig
@@ -136,6 +137,25 @@ def compile_gated_for_hopper(config: ExpertsConfig, dtype: torch.dtype, epilogue
     return _compile(experts_gated_ws._experts_gated_ws_kernel, fixed, runtime), fixed
 
 
+def compile_down_for_hopper(config: ExpertsConfig, dtype: torch.dtype):
+    """The forward's down kernel compiled for sm_90a as a launch at T = 512, top-8, E = 64, K_out = 2048,
+    I = 768 specializes it, without a GPU."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    t, top_k, e, k_out, i = 512, 8, 64, 2048, 768
+    s = t * top_k
+    fixed = dict(experts_down_ws.make_launcher(config, top_k).constexprs, NUM_PROGRAMS=132)
+    runtime = dict(h_ptr=torch.empty(s, i, dtype=dtype), pairs_ptr=torch.empty(s, dtype=torch.int64),
+                   blocks_ptr=torch.empty(s // 128, dtype=torch.int64), rw_ptr=torch.empty(t, top_k, dtype=dtype),
+                   y_ptr=torch.empty(s, k_out, dtype=dtype), NUM_PAIRS=s, NUM_BLOCKS=s // 128, K_OUT=k_out, I=i,
+                   NUM_EXPERTS=e, stride_hm=i, stride_rt=top_k, stride_rj=1, stride_ym=k_out)
+    block = [config.down_ws_block_n, config.down_ws_block_k]
+    runtime["wd_desc"] = TensorDescriptor.from_tensor(torch.empty(e * k_out, i, dtype=dtype), block,
+                                                      gl.NVMMASharedLayout.get_default_for(block, ws._GL_DTYPES[dtype]))
+    return _compile(experts_down_ws._experts_down_ws_kernel, fixed, runtime), fixed
+
+
 def _compile(kernel, fixed: dict, runtime: dict):
     """`kernel` compiled for sm_90a with constexprs `fixed` (num_warps among them) and the runtime
     arguments' types and 16-divisibility of `runtime`."""
@@ -157,10 +177,14 @@ def _compile(kernel, fixed: dict, runtime: dict):
 if __name__ == "__main__":
     dtype_name, epilogue, cubin_out, config_json = sys.argv[1:5]
     fields, dtype = json.loads(config_json), getattr(torch, dtype_name)
-    if epilogue.startswith("gated"):
-        fields["ws_registers"] = tuple(fields["ws_registers"])
-        mode, act = epilogue.split(":")
-        compiled, fixed = compile_gated_for_hopper(ExpertsConfig(**fields), dtype, act, mode == "gated_preact")
+    if epilogue.startswith("gated") or epilogue == "down":
+        for name in ("ws_registers", "down_ws_registers"):
+            fields[name] = tuple(fields[name])
+        if epilogue == "down":
+            compiled, fixed = compile_down_for_hopper(ExpertsConfig(**fields), dtype)
+        else:
+            mode, act = epilogue.split(":")
+            compiled, fixed = compile_gated_for_hopper(ExpertsConfig(**fields), dtype, act, mode == "gated_preact")
     else:
         for name in ("dh_ws_registers", "wgrad_ws_tile", "wgrad_ws_registers", "dx_ws_registers"):
             fields[name] = tuple(fields[name])

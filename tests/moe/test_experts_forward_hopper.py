@@ -134,3 +134,60 @@ def test_a_ring_wider_than_the_rule(monkeypatch):
                                            config=config)
     assert ran == [True, True], ran
     assert max(rel_err(out, ref), rel_err(out_p, ref)) <= 2 * torch_err + EPS[dtype]
+
+
+# the down kernel's cases: I a multiple of its 64-wide step, K_out (= K here) off its 256- and 128-column tiles
+DOWN_CASES = dict(CASES, tails=(300, 6, 3, 192, 128, "uniform", torch.float16),
+                  one_token=(1, 4, 2, 64, 64, "uniform", torch.bfloat16),
+                  empty_expert=(257, 4, 2, 128, 192, "empty_expert", torch.float16),
+                  large=(200, 4, 2, 80, 64, "uniform", torch.bfloat16))
+# (tile along K_out, stages): the two MMA layouts and the two handoffs
+DOWN_TILES = {"256_s3": (256, 3), "128_s4": (128, 4)}
+
+
+@pytest.mark.parametrize("tile", list(DOWN_TILES))
+@pytest.mark.parametrize("case", list(DOWN_CASES))
+def test_the_down_kernel_against_float64(case, tile, monkeypatch):
+    """`experts_down_ws.py` in place of the one-program-per-tile down GEMM, in both modes' forward: it must be the
+    kernel that ran, and the block's output within twice torch's own error."""
+    from swiglu_patch.kernels import experts_down_ws
+
+    t, e, top_k, k, i, skew, dtype = DOWN_CASES[case]
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
+    ran = recording(monkeypatch, experts_down_ws)
+    width, stages = DOWN_TILES[tile]
+    config = dataclasses.replace(HOPPER_RULE, down_warp_specialized=True, down_ws_block_n=width, down_ws_stages=stages)
+    out = torch.full_like(ref, float("nan"), dtype=dtype)
+    experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped", config=config, out=out)
+    out_p, _ = experts_forward_with_preact(x, index, weights, w[0], w[1], EPILOGUES["silu"], kernel="experts_grouped",
+                                           config=config)
+    assert ran == [True, True], ran
+    assert not out.isnan().any(), "an output element was not written"
+    assert max(rel_err(out, ref), rel_err(out_p, ref)) <= 2 * torch_err + EPS[dtype], (rel_err(out, ref), torch_err)
+
+
+def test_what_the_down_kernel_cannot_take_runs_the_other(monkeypatch):
+    """I off the 64-wide step, and a bias: the one-program-per-tile down GEMM, as right."""
+    from swiglu_patch.kernels import experts_down_ws
+
+    ran = recording(monkeypatch, experts_down_ws)
+    config = dataclasses.replace(HOPPER_RULE, down_warp_specialized=True)
+    for i, bias in ((96, False), (64, True)):
+        w = expert_weights(4, 128, i, LAYOUTS[0], bias, torch.bfloat16)
+        x = torch.randn(600, 128).to(DEVICE, torch.bfloat16)
+        index, weights = routing(600, 4, 2)
+        w64 = [None if t is None else t.double() for t in w]
+        ref = experts_reference(x.double(), index, weights.double(), w64[0], w64[1], EPILOGUES["silu"], LAYOUTS[0],
+                                *w64[2:])
+        torch_err = rel_err(experts_reference(x, index, weights, w[0], w[1], EPILOGUES["silu"], LAYOUTS[0], *w[2:]),
+                            ref)
+        out = experts_forward(x, index, weights, w[0], w[1], EPILOGUES["silu"], LAYOUTS[0], *w[2:],
+                              kernel="experts_grouped", config=config)
+        assert rel_err(out, ref) <= 2 * torch_err + EPS[torch.bfloat16]
+    assert ran == [False], ran  # a bias: the launcher holds no warp-specialized down kernel, nothing asked
