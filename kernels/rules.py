@@ -221,6 +221,7 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 # `bench_moe --sweep` over the Qwen3-30B-A3B, OLMoE, gpt-oss-20b, Mixtral-8x7B and GLM-4.5-Air shapes
 # (geometric mean of time over the best config, per T range; uniform routing).
 MOE = ("h100/moe/sweep.json",)
+MOE_DOWN_WS = ("h100/moe/down_ws/results.json",)
 MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_rerun/results.json",
                 "h100/moe/gated_ws_preact/results.json", "h100/moe/gated_ws_preact_registers/results.json")
 MOE_BACKWARD = ("h100/moe_train/backward_tiles/results.json", "h100/moe_train/backward_tiles/candidates/results.json",
@@ -237,6 +238,13 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "1.014x at T = 4-8, 1.017x at T = 64"),
     Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
          sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
+    Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True,
+                               down_warp_specialized=True),
+         HOPPERS, m=(8192, None), sweep=MOE_GATED_WS + MOE_DOWN_WS,
+         why="prefill on Hopper from T = 8192: the rule below with the down GEMM warp-specialized too (128x256 tiles "
+             "at 3 stages) where it can take the call, in both modes' forward; the block 0.94-0.96x the rule below's "
+             "time on Qwen3-30B-A3B, OLMoE, Mixtral-8x7B and GLM-4.5-Air at T = 16384, 0.95-1.04x at 4096 (a wash "
+             "there); 128x128 tiles at 4 stages 1.07-1.16x"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True),
          HOPPERS, m=(4096, None), sweep=MOE_GATED_WS,
          why="prefill on Hopper from T = 4096: the tiles below, the gated GEMM of calls storing no P warp-specialized "
