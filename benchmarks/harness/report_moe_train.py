@@ -25,9 +25,10 @@ KERNEL_PRODUCTS = {
 }
 
 
-# Kernels that compute the same product under another name: the warp-specialized dH, weight-gradient and dX kernels
-# (Hopper's rule).
-SAME_PRODUCT = {"_experts_dh_ws_kernel": "_experts_dh_kernel", "_experts_wgrad_ws_kernel": "_experts_wgrad_kernel",
+# Kernels that compute the same product under another name: the warp-specialized gated, down, dH, weight-gradient
+# and dX kernels (Hopper's rules).
+SAME_PRODUCT = {"_experts_gated_ws_kernel": "_experts_gated_gemm_kernel", "_experts_down_ws_kernel": "_experts_down_gemm_kernel",
+                "_experts_dh_ws_kernel": "_experts_dh_kernel", "_experts_wgrad_ws_kernel": "_experts_wgrad_kernel",
                 "_experts_dx_ws_kernel": "_experts_dx_kernel"}
 
 
