@@ -73,7 +73,8 @@ def sweep_configs() -> dict:
     warp-specialized one (`experts_gated_ws.py`, 3 stages, also with P stored: `--preact`) and
     by it at 4 stages; "down_ws", "down_ws_128" and "down_triton": the prefill tiles with the gated GEMM
     warp-specialized for calls storing no P, and the down GEMM by `experts_down_ws.py` on 128x256 tiles at 3 stages,
-    on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rules from T = 8192 and from 4096)."""
+    on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rule from T = 4096 without it); "ws_preact":
+    that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
@@ -88,6 +89,8 @@ def sweep_configs() -> dict:
         "down_ws_128": ("experts_grouped", replace(prefill, warp_specialized=True, down_warp_specialized=True,
                                                    down_ws_block_n=128, down_ws_stages=4)),
         "down_triton": ("experts_grouped", replace(prefill, warp_specialized=True)),
+        "ws_preact": ("experts_grouped", replace(prefill, warp_specialized=True, warp_specialized_preact=True,
+                                                 down_warp_specialized=True)),
         "g16_32x256s3": ("experts_grouped", C(16, 32, 256, 32, 256, group_m=8, num_warps=4, num_stages=3)),
         "g16_64x128s4": ("experts_grouped", C(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4)),
         "g16_32x256s4d64": ("experts_grouped", C(16, 32, 256, 64, 128, group_m=8, num_warps=4, num_stages=4)),
