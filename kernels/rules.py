@@ -221,6 +221,7 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 # `bench_moe --sweep` over the Qwen3-30B-A3B, OLMoE, gpt-oss-20b, Mixtral-8x7B and GLM-4.5-Air shapes
 # (geometric mean of time over the best config, per T range; uniform routing).
 MOE = ("h100/moe/sweep.json",)
+MOE_GATED_WS_PREACT = ("h100/moe/gated_ws_preact_handoff/results.json",)
 MOE_DOWN_WS = ("h100/moe/down_ws/results.json", "h100/moe/down_ws_8192/results.json")
 MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_rerun/results.json",
                 "h100/moe/gated_ws_preact/results.json", "h100/moe/gated_ws_preact_registers/results.json")
@@ -239,12 +240,14 @@ EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
          sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True,
-                               down_warp_specialized=True),
-         HOPPERS, m=(4096, None), sweep=MOE_GATED_WS + MOE_DOWN_WS,
-         why="prefill on Hopper from T = 4096: the tiles below, the gated GEMM of calls storing no P warp-specialized "
-             "where it can take the call; the block 0.94-0.98x the one-program-per-tile kernel's time on five shapes "
-             "at T = 4096 and 16384 (at 1024 0.98-1.10x); in a second run 0.96-0.97x on Qwen3-30B-A3B and OLMoE, "
-             "1.00-1.03x on Mixtral-8x7B; calls storing P keep that kernel (1.004-1.014x and 1.03-1.05x with it). "
+                               warp_specialized_preact=True, down_warp_specialized=True),
+         HOPPERS, m=(4096, None), sweep=MOE_GATED_WS + MOE_DOWN_WS + MOE_GATED_WS_PREACT,
+         why="prefill on Hopper from T = 4096: the tiles below, the gated GEMM warp-specialized where it can take the "
+             "call; the block 0.94-0.98x the one-program-per-tile kernel's time on five shapes at T = 4096 and 16384 "
+             "(at 1024 0.98-1.10x); in a second run 0.96-0.97x on Qwen3-30B-A3B and OLMoE, 1.00-1.03x on "
+             "Mixtral-8x7B. Calls storing P too, gate and up handed to the epilogue warps, which store P and take h "
+             "from it: store mode's forward 0.95-1.00x on four shapes at T = 4096 and 16384 (P from the MMA warps' "
+             "registers lost 1.03-1.05x, P and h both through the handoff 1.004-1.014x). "
              "The down GEMM warp-specialized too (128x256 tiles at 3 stages) where it can take the call, in both "
              "modes' forward: the block 0.94-0.96x the time with the one-program-per-tile down GEMM on Qwen3-30B-A3B, "
              "OLMoE, Mixtral-8x7B and GLM-4.5-Air at T = 16384, 0.93-0.98x at 8192, 0.90-1.04x at 4096 in two runs; "
