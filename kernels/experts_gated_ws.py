@@ -133,6 +133,25 @@ def _preact_epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr
 
 
 @gluon.jit
+def _epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr, NUM_PAIRS, NUM_BLOCKS, I,
+              NUM_EXPERTS, stride_hm, stride_pm, ACTIVATION: gl.constexpr, APPROX_TANH: gl.constexpr,
+              GATE_SCALE: gl.constexpr, OUT_SCALE: gl.constexpr, CLAMP: gl.constexpr, LIMIT: gl.constexpr,
+              ALPHA: gl.constexpr, STORE_PREACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, EPILOGUE_M: gl.constexpr,
+              EPILOGUE_WARPS: gl.constexpr):
+    """The epilogue partition: `_preact_epilogue` with STORE_PREACT, else `experts_ws_jit.handoff_rows_epilogue`."""
+    if STORE_PREACT:
+        _preact_epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr, NUM_PAIRS,
+                         NUM_BLOCKS, I, NUM_EXPERTS, stride_hm, stride_pm, ACTIVATION, APPROX_TANH, GATE_SCALE,
+                         OUT_SCALE, CLAMP, LIMIT, ALPHA, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M,
+                         EPILOGUE_WARPS)
+    else:
+        handoff_rows_epilogue(handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, NUM_PAIRS,
+                              NUM_BLOCKS, I, NUM_EXPERTS, stride_hm, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS,
+                              EPILOGUE_M, EPILOGUE_WARPS)
+
+
+@gluon.jit
 def _experts_gated_ws_kernel(
     x_ptr, pairs_ptr, blocks_ptr, h_ptr, p_ptr, w_desc,
     NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, stride_hm, stride_pm,
@@ -155,35 +174,20 @@ def _experts_gated_ws_kernel(
     # a stage's ready barrier: the two weight boxes' expect, and the rows' arrive
     ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 2)
 
-    if STORE_PREACT:  # the same partitions but the epilogue's, which stores P and takes h from it
-        gl.warp_specialize([
-            (_gated_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr,
-                          p_ptr, NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_pm, ACTIVATION, APPROX_TANH,
-                          GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA, STORE_PREACT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-            (gathered_rows_loader, (x_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-                                    NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, TOP_K, True,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
-                                    True)),
-            (_preact_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr,
-                                NUM_PAIRS, NUM_BLOCKS, I, NUM_EXPERTS, stride_hm, stride_pm, ACTIVATION,
-                                APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA, BLOCK_M, BLOCK_N,
-                                GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_WARPS)),
-        ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
-    else:
-        gl.warp_specialize([
-            (_gated_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr,
-                          p_ptr, NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_pm, ACTIVATION, APPROX_TANH,
-                          GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA, STORE_PREACT,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
-            (gathered_rows_loader, (x_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
-                                    NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, TOP_K, True,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
-                                    True)),
-            (handoff_rows_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr,
-                                     NUM_PAIRS, NUM_BLOCKS, I, NUM_EXPERTS, stride_hm, BLOCK_M, BLOCK_N,
-                                     GROUP_M, NUM_PROGRAMS, EPILOGUE_M, EPILOGUE_WARPS)),
-        ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
+    gl.warp_specialize([
+        (_gated_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, p_ptr,
+                      NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_pm, ACTIVATION, APPROX_TANH, GATE_SCALE,
+                      OUT_SCALE, CLAMP, LIMIT, ALPHA, STORE_PREACT,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps)),
+        (gathered_rows_loader, (x_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
+                                NUM_PAIRS, NUM_BLOCKS, K, I, NUM_EXPERTS, stride_xm, TOP_K, True,
+                                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,
+                                True)),
+        (_epilogue, (handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr, h_ptr, p_ptr, NUM_PAIRS, NUM_BLOCKS,
+                     I, NUM_EXPERTS, stride_hm, stride_pm, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP,
+                     LIMIT, ALPHA, STORE_PREACT, BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, EPILOGUE_M,
+                     EPILOGUE_WARPS)),
+    ], [LOADER_WARPS, EPILOGUE_WARPS], [LOADER_REGISTERS, EPILOGUE_REGISTERS])
 
 
 def _steps(config: ExpertsConfig, store_preact: bool) -> tuple[int, int]:
