@@ -41,8 +41,8 @@ CASES = {
 pytestmark = pytest.mark.skipif(not HOPPER_GPU, reason="needs a Hopper GPU (wgmma)")
 
 
-def _case(case: str):
-    t, e, top_k, k, i, skew, dtype = CASES[case]
+def _case(case: str, cases: dict = CASES):
+    t, e, top_k, k, i, skew, dtype = cases[case]
     scale = 8.0 if case == "large" else 1.0
     w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
     x = torch.randn(t, k).to(DEVICE, dtype) * scale
@@ -152,13 +152,7 @@ def test_the_down_kernel_against_float64(case, tile, monkeypatch):
     kernel that ran, and the block's output within twice torch's own error."""
     from swiglu_patch.kernels import experts_down_ws
 
-    t, e, top_k, k, i, skew, dtype = DOWN_CASES[case]
-    scale = 8.0 if case == "large" else 1.0
-    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
+    x, index, weights, w, dtype = _case(case, DOWN_CASES)
     ref, torch_err = _reference(x, index, weights, w, EPILOGUES["silu"])
     ran = recording(monkeypatch, experts_down_ws)
     width, stages = DOWN_TILES[tile]
