@@ -232,7 +232,7 @@ MOE_BACKWARD_DH_WS = ("h100/moe_train/dh_ws/results.json", "h100/moe_train/dh_ws
 MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train/wgrad_ws_256/results.json",
                          "h100/moe_train/wgrad_ws_rule/results.json")
 MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws256/results.json")
-MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json",)
+MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
@@ -279,7 +279,8 @@ EXPERTS_BACKWARD_RULES: tuple[Rule, ...] = (
              "those of 128x256 tiles over whole blocks on OLMoE; dH warp-specialized where it can take the call "
              "(0.85-0.95x the one-program-per-tile kernel's time on both shapes at T = 4096 and 16384), on 128x256 tiles at "
              "3 stages (two MMA warpgroups, G handed over in 16 bits: 0.85x and 0.85x its 128x128 tiles' dH time at "
-             "T = 16384, 0.93x and 0.88x at 4096, Qwen3-30B-A3B and OLMoE; the backward 0.97-0.99x); the weight "
+             "T = 16384, 0.93x and 0.88x at 4096, Qwen3-30B-A3B and OLMoE, 0.91-1.09x at 1024 and 2048; the backward "
+             "0.97-0.99x); the weight "
              "gradients by the persistent warp-specialized kernel with 256x128 tiles where it can take the call (0.84-"
              "0.96x the 128x128 one-program-per-tile kernel's time, 1.015x on OLMoE's dW_gate_up at T = 16384; its "
              "128x128 tiles 1.16-1.18x, its 256x128 tiles at 32 rows a step 1.02-1.22x); dX by the warp-specialized "
