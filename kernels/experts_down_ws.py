@@ -18,8 +18,8 @@ holds three groups of warps, as `experts_dx_ws.py` does:
 
 What it takes (`can_run`): 16-bit operands without a bias or a low-rank segment, Wd in the
 [E, K_out, I] layout with I contiguous and its experts one after the other, I a multiple of
-down_ws_block_k, K_out and the strides multiples of 16, 16-byte-aligned base pointers (the chunked
-and interleaved layouts of Qwen3-MoE, OLMoE, Mixtral, GLM); the rest runs `_experts_down_gemm_kernel`.
+down_ws_block_k, K_out and the strides multiples of 16, 16-byte-aligned base pointers (every
+untransposed layout: Qwen3-MoE, OLMoE, Mixtral, GLM); the rest runs `_experts_down_gemm_kernel`.
 Gluon kernels run on the GPU only (no interpreter), and wgmma on Hopper only.
 """
 
