@@ -9,9 +9,9 @@ holds three groups of warps, as `experts_dx_ws.py` does:
 - the loader (`experts_ws_jit.gathered_rows_loader` with W_TRANSPOSED, LOADER_WARPS warps): h's
   rows by pair by cp.async, and Wd[e]'s [BLOCK_N, BLOCK_K] box by TMA from Wd seen as
   [E * K_out, I];
-- the MMA group (`_weighted_tiles_mma`, `num_warps` warps: one warpgroup for tiles of up to 128
-  columns, two side by side for 256): wgmma into an fp32 accumulator, each row times its pair's
-  routing weight, then into the shared handoff (fp32 where it fits beside the ring, else in y's
+- the MMA group (`experts_ws_jit.block_tiles_mma` with B_TRANSPOSED and ROW_WEIGHTS, `num_warps`
+  warps: one warpgroup for tiles of up to 128 columns, two side by side for 256): wgmma into an fp32
+  accumulator, each row times its pair's routing weight, then into the shared handoff (fp32 where it fits beside the ring, else in y's
   dtype: either way rounded once);
 - the epilogue group (`experts_ws_jit.handoff_rows_epilogue`, EPILOGUE_WARPS warps): writes the
   handoff's rows to y by pair while the next tile's MMAs run.
@@ -32,39 +32,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .configs import ExpertsConfig
 from .device import capability, interpreting, num_sms
-from .experts_ws_jit import gathered_rows_loader, handoff_rows_epilogue
-from .jit_common import tile_pid
+from .experts_ws_jit import block_tiles_mma, gathered_rows_loader, handoff_rows_epilogue
 from .launcher import FastLaunch
-from .ws_jit import SHARED_MEMORY_BYTES, accumulator_to_handoff, mma_tile, ring_barriers
+from .ws_jit import SHARED_MEMORY_BYTES, ring_barriers
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 LOADER_WARPS = 4
 EPILOGUE_WARPS = 4
-
-
-@gluon.jit
-def _weighted_tiles_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr, blocks_ptr,
-                        rw_ptr, NUM_PAIRS, NUM_BLOCKS, K_RED, N, NUM_EXPERTS, stride_rt, stride_rj,
-                        TOP_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                        MMA_WARPS: gl.constexpr, WARPS_N: gl.constexpr):
-    """Each [BLOCK_M, BLOCK_N] tile of a block with an expert by wgmma over the ring (W's stages
-    [BLOCK_N, BLOCK_K], read transposed), each row times its pair's routing weight, into the handoff."""
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    k_tiles = gl.cdiv(K_RED, BLOCK_K)
-    step = 0
-    tiles_done = 0
-    for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
-        pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
-        if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
-            acc, step = mma_tile(a_ring, b_ring, ready, empty, k_tiles, step, BLOCK_M, BLOCK_N, NUM_STAGES, MMA_WARPS,
-                                 False, WARPS_N, True)
-            pairs = gl.load(pairs_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout)))
-            rows = pairs.to(gl.int64)
-            weight = gl.load(rw_ptr + (rows // TOP_K) * stride_rt + (rows % TOP_K) * stride_rj, mask=pairs < NUM_PAIRS,
-                             other=0.0)
-            tiles_done = accumulator_to_handoff(acc * weight.to(gl.float32)[:, None], handoff, handoff_ready,
-                                                handoff_free, tiles_done)
 
 
 @gluon.jit
@@ -87,10 +61,10 @@ def _experts_down_ws_kernel(
     ready, empty, handoff_ready, handoff_free = ring_barriers(NUM_STAGES, 2)
 
     gl.warp_specialize([
-        (_weighted_tiles_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, pairs_ptr,
-                               blocks_ptr, rw_ptr, NUM_PAIRS, NUM_BLOCKS, I, K_OUT, NUM_EXPERTS, stride_rt, stride_rj,
-                               TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, num_warps,
-                               WARPS_N)),
+        (block_tiles_mma, (a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr,
+                           NUM_BLOCKS, I, K_OUT, NUM_EXPERTS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+                           NUM_STAGES, num_warps, WARPS_N, True, True, pairs_ptr, rw_ptr, NUM_PAIRS, stride_rt,
+                           stride_rj, TOP_K)),
         (gathered_rows_loader, (h_ptr, wd_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, ready, empty,
                                 NUM_PAIRS, NUM_BLOCKS, I, K_OUT, NUM_EXPERTS, stride_hm, TOP_K, False,
                                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, NUM_STAGES, LAG, LOADER_WARPS,

@@ -19,8 +19,9 @@ NUM_EXPERTS: padding) are skipped by every partition alike.
   boxes, the tile's gate rows at b_ring[2 s] and its up rows at b_ring[2 s + 1]; with W_TRANSPOSED
   (the forward's down GEMM, `experts_down_ws.py`) W is seen as [E * N, K_RED] (K_RED contiguous) and
   a stage holds one [BLOCK_N, BLOCK_K] box;
-- `block_tiles_mma`: each tile by wgmma over the ring (`ws_jit.mma_tile_to_handoff`) into the
-  shared handoff buffer, which the kernel's own epilogue partition reads;
+- `block_tiles_mma`: each tile by wgmma over the ring (`ws_jit.mma_tile`; with ROW_WEIGHTS each row
+  times its pair's routing weight) into the shared handoff buffer, which the kernel's own epilogue
+  partition reads;
 - `handoff_rows_epilogue`: the epilogue partition that stores the handoff's rows by pair (dX's and
   the forward's).
 """
@@ -32,7 +33,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
 
 from .jit_common import tile_pid
-from .ws_jit import cp_async, last_rows_landed, mma_tile_to_handoff, partition_barrier, rows_landed, tma_load
+from .ws_jit import (accumulator_to_handoff, cp_async, last_rows_landed, mma_tile, partition_barrier, rows_landed,
+                     tma_load)
 
 
 @gluon.jit
@@ -91,8 +93,12 @@ def gathered_rows_loader(a_ptr, w_desc, pairs_ptr, blocks_ptr, a_ring, b_ring, r
 def block_tiles_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handoff_free, blocks_ptr, NUM_BLOCKS, K_RED,
                     N, NUM_EXPERTS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                     GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                    MMA_WARPS: gl.constexpr, WARPS_N: gl.constexpr = 1):
-    """Each [BLOCK_M, BLOCK_N] tile of a block with an expert by wgmma over the ring, into the handoff when done."""
+                    MMA_WARPS: gl.constexpr, WARPS_N: gl.constexpr = 1, B_TRANSPOSED: gl.constexpr = False,
+                    ROW_WEIGHTS: gl.constexpr = False, pairs_ptr=None, rw_ptr=None, NUM_PAIRS=0, stride_rt=0,
+                    stride_rj=0, TOP_K: gl.constexpr = 1):
+    """Each [BLOCK_M, BLOCK_N] tile of a block with an expert by wgmma over the ring (`ws_jit.mma_tile`; W's
+    stages [BLOCK_N, BLOCK_K] read transposed where B_TRANSPOSED), into the handoff when done. ROW_WEIGHTS: each
+    row first times its pair's routing weight rw[p // TOP_K, p % TOP_K] in fp32 (the forward's down GEMM)."""
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K_RED, BLOCK_K)
     step = 0
@@ -100,9 +106,16 @@ def block_tiles_mma(a_ring, b_ring, ready, empty, handoff, handoff_ready, handof
     for tile_id in range(gl.program_id(0), NUM_BLOCKS * tiles_n, NUM_PROGRAMS):
         pid_m, pid_n = tile_pid(tile_id, GROUP_M * tiles_n, NUM_BLOCKS, GROUP_M)
         if gl.load(blocks_ptr + pid_m) < NUM_EXPERTS:
-            step, tiles_done = mma_tile_to_handoff(a_ring, b_ring, ready, empty, handoff, handoff_ready,
-                                                   handoff_free, k_tiles, step, tiles_done, BLOCK_M, BLOCK_N,
-                                                   NUM_STAGES, MMA_WARPS, WARPS_N=WARPS_N)
+            acc, step = mma_tile(a_ring, b_ring, ready, empty, k_tiles, step, BLOCK_M, BLOCK_N, NUM_STAGES, MMA_WARPS,
+                                 False, WARPS_N, B_TRANSPOSED)
+            if ROW_WEIGHTS:
+                pairs = gl.load(pairs_ptr + pid_m * BLOCK_M
+                                + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc.type.layout)))
+                rows = pairs.to(gl.int64)
+                weight = gl.load(rw_ptr + (rows // TOP_K) * stride_rt + (rows % TOP_K) * stride_rj,
+                                 mask=pairs < NUM_PAIRS, other=0.0)
+                acc = acc * weight.to(gl.float32)[:, None]
+            tiles_done = accumulator_to_handoff(acc, handoff, handoff_ready, handoff_free, tiles_done)
 
 
 @gluon.jit

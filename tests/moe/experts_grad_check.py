@@ -68,6 +68,19 @@ def routing(t, e, top_k, skew="uniform"):
     return index.to(DEVICE), weights.to(DEVICE)
 
 
+def named_case(case: str, t, e, top_k, k, i, skew, dtype):
+    """(x [T, K], top_k_index, top_k_weights, (gate_up, down, None, None)) of one named case of the Hopper kernels'
+    tests: SwiGLU experts in the [E, 2I, K] layout without biases; "large": inputs and weights of scale 8;
+    "sentinels": every other token's second slot on an expert-parallel sentinel (id E)."""
+    scale = 8.0 if case == "large" else 1.0
+    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
+    x = torch.randn(t, k).to(DEVICE, dtype) * scale
+    index, weights = routing(t, e, top_k, skew)
+    if case == "sentinels":
+        index[::2, 1] = e
+    return x, index, weights, w
+
+
 def autograd_gradients(x, index, weights, w, epilogue, layout, dout):
     """Gradients in `GRADIENTS` order by autograd of the reference, in the inputs' dtype."""
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, *w, weights)]

@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, check_gradients, expert_weights,
+from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, check_gradients, expert_weights, named_case,
                                     poisoned_allocations, recording, routing)
 from swiglu_patch.kernels import dispatch
 from swiglu_patch.kernels.rules import EXPERTS_BACKWARD_RULES
@@ -42,13 +42,8 @@ def _check_case(cases: dict, case: str, config) -> None:
     """`check_gradients` on one of `cases` (tokens, experts, top-k, K, I, routing, dtype, store; "large": inputs and
     weights of scale 8, "sentinels": every other token's second slot on an expert-parallel sentinel), SwiGLU
     experts in the [E, 2I, K] layout without biases, with `config`'s tiles."""
-    t, e, top_k, k, i, skew, dtype, store = cases[case]
-    scale = 8.0 if case == "large" else 1.0
-    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
+    *shape, dtype, store = cases[case]
+    x, index, weights, w = named_case(case, *shape, dtype)
     check_gradients(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], dtype, store,
                     kernel="experts_backward_grouped", config=config)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import rel_err
-from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, expert_weights, poisoned_allocations, recording,
-                                    routing)
+from moe.experts_grad_check import (DEVICE, EPILOGUES, LAYOUTS, expert_weights, named_case, poisoned_allocations,
+                                    recording, routing)
 from swiglu_patch.kernels import experts_gated_ws
 from swiglu_patch.kernels.experts import experts_forward
 from swiglu_patch.kernels.experts_backward import experts_forward_with_preact
@@ -42,14 +42,8 @@ pytestmark = pytest.mark.skipif(not HOPPER_GPU, reason="needs a Hopper GPU (wgmm
 
 
 def _case(case: str, cases: dict = CASES):
-    t, e, top_k, k, i, skew, dtype = cases[case]
-    scale = 8.0 if case == "large" else 1.0
-    w = expert_weights(e, k, i, LAYOUTS[0], False, dtype, scale)
-    x = torch.randn(t, k).to(DEVICE, dtype) * scale
-    index, weights = routing(t, e, top_k, skew)
-    if case == "sentinels":
-        index[::2, 1] = e
-    return x, index, weights, w, dtype
+    *shape, dtype = cases[case]
+    return (*named_case(case, *shape, dtype), dtype)
 
 
 def _reference(x, index, weights, w, epilogue):
