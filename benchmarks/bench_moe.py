@@ -19,7 +19,9 @@ Before timing, every way's output is checked against float64 (`experts_reference
 float64 weights) on the first --check-rows tokens' worth of the same call. Timing:
 `harness.timing.GraphTimer` (CUDA-graph replays where a way can be captured, else CUDA events
 around eager calls; the mode is recorded). Host time: one call from an idle device
-(`harness.host_time.host_from_idle`). Floor: max(2 T k K 3I / matmul peak, bytes of the
+(`harness.host_time.host_from_idle`). Loop: eager calls back to back, wall time per call with
+the device synchronized once per --loop-calls calls, the ways in turns (`harness.host_time.in_turns`):
+what an eager decode step waits for, host or GPU, whichever is longer. Floor: max(2 T k K 3I / matmul peak, bytes of the
 experts hit / 3.35 TB/s), the matmul peak measured in the same run.
 
 Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
@@ -74,10 +76,13 @@ def sweep_configs() -> dict:
     by it at 4 stages; "down_ws", "down_ws_128" and "down_triton": the prefill tiles with the gated GEMM
     warp-specialized for calls storing no P, and the down GEMM by `experts_down_ws.py` on 128x256 tiles at 3 stages,
     on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rule from T = 4096 without it); "ws_preact":
-    that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`)."""
+    that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`); "grouped": the grouped kernel
+    at its rule's tiles for T; "gemv" and "gemv_*": the GEMV path (`experts_gemv.py`) at the rule's tiles and others,
+    for decode (the planner gives it eager calls, the grouped kernel captured ones)."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
+    from swiglu_patch.kernels.rules import EXPERTS_GEMV_CONFIG as GEMV
 
     prefill = C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)
     return {
@@ -102,6 +107,12 @@ def sweep_configs() -> dict:
         "g128_128x64w8s4": ("experts_grouped", C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=4)),
         "g128_128x128w8": ("experts_grouped", C(128, 128, 64, 128, 128, group_m=16, num_warps=8, num_stages=3)),
         "g128_256x64w8": ("experts_grouped", C(128, 128, 64, 256, 64, group_m=8, num_warps=8, num_stages=3)),
+        "grouped": ("experts_grouped", None),
+        "gemv": ("experts_gemv", GEMV),
+        "gemv_32x128": ("experts_gemv", replace(GEMV, block_n=32, block_k=128)),
+        "gemv_d16x64": ("experts_gemv", replace(GEMV, down_block_n=16, down_block_k=64)),
+        "gemv_d4x256": ("experts_gemv", replace(GEMV, down_block_n=4, down_block_k=256)),
+        "gemv_w8": ("experts_gemv", replace(GEMV, block_k=512, down_block_k=256, num_warps=8)),
     }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
@@ -119,6 +130,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--check-rows", type=int, default=64, help="tokens checked against float64 per row")
     p.add_argument("--rep-ms", type=float, default=30.0, help="GPU ms of timed calls per way and row")
     p.add_argument("--host-calls", type=int, default=40, help="host-time calls per way at T <= 32 (0: none)")
+    p.add_argument("--loop-calls", type=int, default=50,
+                   help="back-to-back eager calls per way and round at T <= 32 (0: no loop timing)")
     p.add_argument("--sweep", action="store_true", help="also time candidate configs of ours per row")
     p.add_argument("--sweep-configs", nargs="+", choices=list(sweep_configs()),
                    help="the candidates --sweep times (default: all)")
@@ -235,7 +248,7 @@ def measure_matmul_peak(device) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from .harness.host_time import host_from_idle, synchronizer, us_stats
+    from .harness.host_time import host_from_idle, in_turns, synchronizer, us_stats
     from .harness.timing import GraphTimer
 
     dry = args.dry_run
@@ -284,6 +297,9 @@ def run(args: argparse.Namespace) -> dict:
                         host = host_from_idle({k: fns[k] for k in fns if k != "eager"}, args.host_calls, 4,
                                               synchronizer(device))
                         row["host_us"] = {k: us_stats(v)["median_us"] for k, v in host.items()}
+                    if tokens <= 32 and args.loop_calls:
+                        row["loop_us"] = _loop_us({k: fns[k] for k in fns if k != "eager"}, args.loop_calls,
+                                                  synchronizer(device), in_turns)
                 rows.append(row)
                 print(_line(row), flush=True)
                 del fns, x
@@ -309,11 +325,22 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+def _loop_us(fns: dict, calls: int, sync, in_turns) -> dict[str, float]:
+    """Median over 5 rounds in turns of the wall µs per call of `calls` eager calls back to back."""
+    loops = {k: (lambda f=f: [f() for _ in range(calls)]) for k, f in fns.items()}
+    for loop in loops.values():
+        loop()  # warm: the first calls of a way in eager mode may build plans
+    rounds = in_turns(loops, 5, sync)
+    return {k: sorted(v)[len(v) // 2] / calls * 1e6 for k, v in rounds.items()}
+
+
 def _line(row: dict) -> str:
     us = " ".join(f"{k}={v:.1f}" for k, v in row["us"].items())
     err = " ".join(f"{k}={v:.1e}" for k, v in row["errors"].items())
     host = " ".join(f"{k}={v:.0f}" for k, v in row.get("host_us", {}).items())
-    return f"{row['shape']} {row['routing']} T={row['tokens']}: us {us} | floor {row.get('floor_us', 0):.1f} | err {err} | host {host}"
+    loop = " ".join(f"{k}={v:.0f}" for k, v in row.get("loop_us", {}).items())
+    return (f"{row['shape']} {row['routing']} T={row['tokens']}: us {us} | floor {row.get('floor_us', 0):.1f} | "
+            f"err {err} | host {host} | loop {loop}")
 
 
 def _cell(value) -> str:
@@ -355,6 +382,15 @@ def render_markdown(data: dict) -> str:
             ratio = f"{us / rule:.3f}" if us and rule else "-"
             lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | {name} | {_cell(us)} | {_cell(rule)} | "
                          f"{ratio} | {r['errors'].get(f'ours[{name}]', math.nan):.1e} |")
+    looped = [r for r in data["rows"] if r.get("loop_us")]
+    if looped:
+        names = list(dict.fromkeys(k for r in looped for k in r["loop_us"]))
+        lines += ["", "## Eager calls back to back (µs per call; `--loop-calls` calls, synchronized once, median "
+                  "of 5 rounds in turns)", "", "| shape | routing | T | " + " | ".join(names) + " |",
+                  "|---|---|---:|" + "---:|" * len(names)]
+        for r in looped:
+            lines.append(f"| {r['shape']} | {r['routing']} | {r['tokens']} | "
+                         + " | ".join(_cell(r["loop_us"].get(k)) for k in names) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -30,8 +30,8 @@ import dataclasses
 
 import torch
 
-from . import (experts_backward_gemm, experts_gemm, gated_backward_pointer, gated_backward_split, gated_backward_tma,
-               gated_backward_ws, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
+from . import (experts_backward_gemm, experts_gemm, experts_gemv, gated_backward_pointer, gated_backward_split,
+               gated_backward_tma, gated_backward_ws, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
@@ -40,7 +40,8 @@ from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank
 from .rules import DEFAULT_CONFIGS, TABLES, Rule
 
 _KERNEL_FILES = (gated_gemv, gated_gemm_pointer, gated_gemm_tma_grid, gated_gemm_tma, gated_backward_pointer,
-                 gated_backward_tma, gated_backward_ws, gated_backward_split, experts_gemm, experts_backward_gemm)
+                 gated_backward_tma, gated_backward_ws, gated_backward_split, experts_gemv, experts_gemm,
+                 experts_backward_gemm)
 MODULES = {module.CAPABILITY.name: module for module in _KERNEL_FILES}  # kernel name -> its file
 OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABLES, features its kernel needs)
     "forward": ("forward", frozenset()),
@@ -51,6 +52,8 @@ OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABL
     "backward_dh_in": ("backward", frozenset({"dh_in"})),
     "experts": ("experts", frozenset()),  # the entry point: `experts.experts_forward`
     "experts_preact": ("experts", frozenset({"store_preact"})),  # `experts_backward.experts_forward_with_preact`
+    "experts_low_rank": ("experts", frozenset({"low_rank"})),  # `experts_low_rank.experts_low_rank_forward`
+    "experts_low_rank_preact": ("experts", frozenset({"low_rank", "store_preact"})),
     "experts_backward": ("experts_backward", frozenset()),  # `experts_backward.experts_backward`
 }
 __all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "explain",

@@ -49,8 +49,8 @@ import triton.language as tl
 from . import experts_dh_ws, experts_dx_ws, experts_wgrad_ws
 from .configs import KernelCapability, ceil_div
 from .experts_backward_config import ExpertsBackwardConfig
-from .experts_gemm import (COMBINE_BLOCK, _down_strides, _experts_combine_kernel, _experts_gated_gemm_kernel,
-                           _gate_up_strides, _precision, project, project_launchers)
+from .experts_gemm import (COMBINE_BLOCK, _experts_combine_kernel, _experts_gated_gemm_kernel, _precision, project,
+                           project_launchers)
 from .experts_jit import experts_epilogue_grad
 from .experts_low_rank_jit import low_rank_segment
 from .experts_routing import expert_blocks
@@ -362,7 +362,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             recompute[precision](num_blocks * ceil_div(inter, config.block_n), device,
                                  x, sorted_pairs, block_expert, gate_up, gu_bias, hw, preact, *lr_args[:2],
                                  num_pairs, num_blocks, k, inter, up_shift, num_experts, lr_args[2], *x.stride(),
-                                 *_gate_up_strides(gate_up, layout), gu_bias.stride(0), gu_bias.stride(1),
+                                 *layout.gate_up_strides(gate_up), gu_bias.stride(0), gu_bias.stride(1),
                                  hw.stride(0), preact.stride(0), *lr_strides)
         dpre = preact  # dP is written over P
         dout_lr = None
@@ -372,7 +372,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
                     num_pairs)
         lr_args = (dout_lr, a_d, a_d.shape[1]) if lr_d else (dout, dout, 0)
         lr_strides = (dout_lr.stride(0), *a_d.stride()) if lr_d else (0, 0, 0, 0)
-        down_strides = _down_strides(down, layout)
+        down_strides = layout.down_strides(down)
         use_ws = dh_ws is not None and experts_dh_ws.can_run(dout, down, down_strides, inter, has_bias, bool(lr_d),
                                                               config)
         tiles_i = ceil_div(inter, experts_dh_ws.tile_n(config) if use_ws else config.block_n)
@@ -403,7 +403,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             ddown = torch.empty_like(down, memory_format=torch.contiguous_format)
             ddown_bias = x.new_empty((num_experts, k_out)) if has_bias else None
             db = ddown if ddown_bias is None else ddown_bias
-            out_strides = _down_strides(ddown, layout)
+            out_strides = layout.down_strides(ddown)
             if dwd_ws is not None and experts_wgrad_ws.can_run(dout, hw, ddown, out_strides, has_bias):
                 dwd_ws(dout, hw, sorted_pairs, starts, ends, ddown, out_strides, num_pairs, num_experts)
             else:
@@ -421,7 +421,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             dgate_up = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
             dgate_up_bias = x.new_empty((num_experts, 2 * inter)) if has_bias else None
             db = dgate_up if dgate_up_bias is None else dgate_up_bias
-            out_strides = _gate_up_strides(dgate_up, layout)
+            out_strides = layout.gate_up_strides(dgate_up)
             if dwgu_ws is not None and experts_wgrad_ws.can_run(dpre, x, dgate_up, out_strides, has_bias):
                 dwgu_ws(dpre, x, sorted_pairs, starts, ends, dgate_up, out_strides, num_pairs, num_experts)
             else:
@@ -440,7 +440,7 @@ def make_launcher(config: ExpertsBackwardConfig, epilogue: dict, layout, has_bia
             grads_lr[1] = lr_grad(d_b_gu, dpre, x_lr, x.new_empty(b_gu.shape))
         if need_x:
             dx_pairs = x.new_empty((num_pairs, k))
-            gs = _gate_up_strides(gate_up, layout)  # (expert, 2I-axis, K-axis)
+            gs = layout.gate_up_strides(gate_up)  # (expert, 2I-axis, K-axis)
             if dx_ws is not None and experts_dx_ws.can_run(dpre, gate_up, gs, dx_pairs, bool(lr_gu), config):
                 dx_ws(dpre, sorted_pairs, block_expert, gate_up, gs, dx_pairs, num_experts)
             else:

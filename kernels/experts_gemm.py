@@ -31,7 +31,7 @@ and the epilogue; x_lr and h_lr [S, r] come from `project` over the same blocks.
 One kernel reads every layout: gate column i of expert e is at element e * stride_we +
 (i * GATE_STEP) * stride_wn + k * stride_wk of gate_up, its up column at GATE_STEP * i + UP_SHIFT
 (chunked: GATE_STEP 1, UP_SHIFT I; interleaved: 2, 1), and a transposed layout passes its
-strides swapped (`_gate_up_strides`, `_down_strides`).
+strides swapped (`ExpertsLayout.gate_up_strides`, `down_strides`).
 dtypes: bf16, fp16 or fp32; fp32 dots use tf32 only where torch.backends.cuda.matmul.allow_tf32
 says so.
 """
@@ -213,25 +213,13 @@ def _experts_combine_kernel(
 COMBINE_BLOCK = 512
 
 
-def _gate_up_strides(gate_up: torch.Tensor, layout) -> tuple[int, int, int]:
-    """(expert, 2I-axis, K-axis) strides of gate_up in any layout."""
-    s = gate_up.stride()
-    return (s[0], s[2], s[1]) if layout.transposed else (s[0], s[1], s[2])
-
-
-def _down_strides(down: torch.Tensor, layout) -> tuple[int, int, int]:
-    """(expert, K_out-axis, I-axis) strides of down in any layout."""
-    s = down.stride()
-    return (s[0], s[2], s[1]) if layout.transposed else (s[0], s[1], s[2])
-
-
 def _precision(dtype: torch.dtype) -> str:
     if dtype is not torch.float32:
         return "tf32"  # ignored by tl.dot for 16-bit operands
     return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
-CAPABILITY = KernelCapability("experts_grouped", ops=("experts",), features=frozenset({"store_preact"}))
+CAPABILITY = KernelCapability("experts_grouped", ops=("experts",), features=frozenset({"store_preact", "low_rank"}))
 
 
 def can_run(*tensors) -> bool:
@@ -316,13 +304,13 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
             gated[precision](num_blocks * ceil_div(inter, config.block_n), device,
                              x, sorted_pairs, block_expert, gate_up, bias, h, p, *lr_gu_args[:2],
                              num_pairs, num_blocks, k, inter, inter if step == 1 else 1, num_experts, lr_gu_args[2],
-                             *x.stride(), *_gate_up_strides(gate_up, layout), bias.stride(0), bias.stride(1),
+                             *x.stride(), *layout.gate_up_strides(gate_up), bias.stride(0), bias.stride(1),
                              h.stride(0), p.stride(0), *lr_gu_strides)
         if lr_d:
             project(project_h, precision, h, sorted_pairs, block_expert, a_d, s_d, h_lr, num_pairs)
         lr_d_args = (h_lr, b_d, b_d.shape[2]) if lr_d else (h, h, 0)
         lr_d_strides = (h_lr.stride(0), *b_d.stride()) if lr_d else (0, 0, 0, 0)
-        down_strides = _down_strides(down, layout)
+        down_strides = layout.down_strides(down)
         if down_ws is not None and experts_down_ws.can_run(h, down, down_strides, y, has_bias, bool(lr_d), config):
             down_ws(h, sorted_pairs, block_expert, top_k_weights, down, down_strides, y, num_experts)
         else:

@@ -111,7 +111,7 @@ def experts_low_rank_forward(
     if x.shape[0] > 0:
         key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
         extras = (layout, gate_up_bias is not None, top_k_index.shape[1], store_preact, blocks)
-        _launch(fn, "experts_preact" if store_preact else "experts", key, epilogue,
+        _launch(fn, "experts_low_rank_preact" if store_preact else "experts_low_rank", key, epilogue,
                 resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
                 (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact,
                  _lora(low_rank, x_lr, h_lr)), "auto", None)

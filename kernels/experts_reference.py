@@ -52,6 +52,16 @@ class ExpertsLayout:
     transposed: bool = False
     concatenated: bool = True
 
+    def gate_up_strides(self, gate_up: torch.Tensor) -> tuple[int, int, int]:
+        """gate_up's (expert, 2I-axis, K-axis) strides: a kernel indexing [e, n, k] reads either layout."""
+        s = gate_up.stride()
+        return (s[0], s[2], s[1]) if self.transposed else (s[0], s[1], s[2])
+
+    def down_strides(self, down: torch.Tensor) -> tuple[int, int, int]:
+        """down's (expert, K_out-axis, I-axis) strides: a kernel indexing [e, n, i] reads either layout."""
+        s = down.stride()
+        return (s[0], s[2], s[1]) if self.transposed else (s[0], s[1], s[2])
+
     def describe(self) -> str:
         shape = "[E, K, 2I]" if self.transposed else "[E, 2I, K]"
         return f"gate_up {shape} {'[gate; up]' if self.concatenated else 'interleaved pairs'}"

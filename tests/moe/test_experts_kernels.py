@@ -1,9 +1,8 @@
-"""The experts kernel (`experts_grouped`, every rule's tile) against float64, and the routing prep.
+"""The experts kernels (`EXPERTS_KERNELS`; the grouped one at every rule's tile) against float64, and
+the routing prep.
 
 On CPU they run in Triton's interpreter (fp32 and fp16: the interpreter's bf16 dot is wrong);
-on a GPU the compiled kernels, bf16 included. Every check draws fresh random inputs, poisons
-the output first, and passes when ours is within twice the error of PyTorch's own same-dtype
-computation (the reference in that dtype) against float64, plus a small epsilon.
+on a GPU the compiled kernels, bf16 included. Every check is `experts_forward_check.check_forward`'s.
 """
 
 from __future__ import annotations
@@ -12,60 +11,12 @@ import pytest
 import torch
 
 from helpers import rel_err
-from swiglu_patch.kernels.epilogue import GatedEpilogue
+from moe.experts_forward_check import (DEVICE, DTYPES, EPILOGUES, EPS, LAYOUTS, check_forward, expert_weights,
+                                       routing)
 from swiglu_patch.kernels.experts import EXPERTS_KERNELS, experts_forward
-from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
+from swiglu_patch.kernels.experts_reference import experts_reference
 from swiglu_patch.kernels.experts_routing import capacity, expert_blocks, expert_blocks_torch
 from swiglu_patch.kernels.rules import EXPERTS_RULES
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-EPS = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 5e-3}
-LAYOUTS = [ExpertsLayout(), ExpertsLayout(transposed=True, concatenated=False), ExpertsLayout(transposed=True),
-           ExpertsLayout(concatenated=False)]
-EPILOGUES = {
-    "silu": ExpertsEpilogue(GatedEpilogue("silu")),
-    "gelu_tanh": ExpertsEpilogue(GatedEpilogue("gelu_tanh")),
-    "gelu": ExpertsEpilogue(GatedEpilogue("gelu")),
-    "clamp_gate": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5, clamp="gate")),
-    "clamp_activation": ExpertsEpilogue(GatedEpilogue("silu", limit=0.5, clamp="activation")),
-    "gpt_oss": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5), alpha=1.702),
-}
-
-
-def _weights(e: int, k: int, i: int, layout: ExpertsLayout, bias: bool, dtype, scale: float = 1.0):
-    gen = torch.Generator().manual_seed(e * 1000 + k + i)
-    gate_up = torch.randn((e, k, 2 * i) if layout.transposed else (e, 2 * i, k), generator=gen) * k ** -0.5
-    down = torch.randn((e, i, k) if layout.transposed else (e, k, i), generator=gen) * i ** -0.5
-    gate_up_bias = torch.randn(e, 2 * i, generator=gen) * 0.3 if bias else None
-    down_bias = torch.randn(e, k, generator=gen) * 0.3 if bias else None
-    to = lambda t: None if t is None else (t * scale).to(DEVICE, dtype)  # noqa: E731
-    return to(gate_up), to(down), to(gate_up_bias), to(down_bias)
-
-
-def _routing(t: int, e: int, top_k: int, skew: str = "uniform"):
-    logits = torch.randn(t, e)
-    if skew == "one_expert":  # every token's first choice is expert 0
-        logits[:, 0] = 100.0
-    if skew == "empty_expert":  # expert e-1 never chosen
-        logits[:, -1] = -100.0
-    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
-    return index.to(DEVICE), weights.to(DEVICE)
-
-
-def _check(x, index, weights, w, epilogue, layout, kernel, dtype):
-    gate_up, down, gate_up_bias, down_bias = w
-    f64 = lambda t: None if t is None else t.double()  # noqa: E731
-    ref = experts_reference(x.double(), index, weights.double(), f64(gate_up), f64(down), epilogue, layout,
-                            f64(gate_up_bias), f64(down_bias))
-    torch_err = rel_err(experts_reference(x, index, weights, gate_up, down, epilogue, layout, gate_up_bias,
-                                          down_bias), ref)
-    out = torch.full((x.shape[0], ref.shape[1]), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
-    experts_forward(x, index, weights, gate_up, down, epilogue, layout, gate_up_bias, down_bias, kernel=kernel,
-                    out=out)
-    assert not out.isnan().any(), "an output element was not written"
-    err = rel_err(out, ref)
-    assert err <= 2 * torch_err + EPS[dtype], f"error {err:.3g} vs torch's own {torch_err:.3g} ({dtype})"
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
@@ -74,10 +25,10 @@ def _check(x, index, weights, w, epilogue, layout, kernel, dtype):
 def test_layouts_and_bias_against_float64(kernel, dtype, layout):
     e, k, i, top_k = 5, 40, 24, 2  # K and I off every block size
     for t, bias in ((1, False), (7, True)):
-        w = _weights(e, k, i, layout, bias, dtype)
+        w = expert_weights(e, k, i, layout, bias, dtype)
         x = torch.randn(t, k).to(DEVICE, dtype)
-        index, weights = _routing(t, e, top_k)
-        _check(x, index, weights, w, EPILOGUES["silu"], layout, kernel, dtype)
+        index, weights = routing(t, e, top_k)
+        check_forward(x, index, weights, w, EPILOGUES["silu"], layout, kernel, dtype)
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
@@ -86,42 +37,42 @@ def test_every_epilogue_at_large_magnitudes(kernel, name):
     """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed layout."""
     layout = LAYOUTS[1] if name == "gpt_oss" else LAYOUTS[0]
     dtype = torch.float32
-    w = _weights(6, 48, 32, layout, name == "gpt_oss", dtype)
+    w = expert_weights(6, 48, 32, layout, name == "gpt_oss", dtype)
     x = (torch.randn(9, 48) * 6.0).to(DEVICE, dtype)
-    index, weights = _routing(9, 6, 3)
-    _check(x, index, weights, w, EPILOGUES[name], layout, kernel, dtype)
+    index, weights = routing(9, 6, 3)
+    check_forward(x, index, weights, w, EPILOGUES[name], layout, kernel, dtype)
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 @pytest.mark.parametrize("skew", ["one_expert", "empty_expert"])
 def test_all_tokens_on_one_expert_and_an_expert_with_none(kernel, skew):
     dtype = torch.float16
-    w = _weights(4, 32, 16, LAYOUTS[0], True, dtype)
+    w = expert_weights(4, 32, 16, LAYOUTS[0], True, dtype)
     x = torch.randn(37, 32).to(DEVICE, dtype)
-    index, weights = _routing(37, 4, 2, skew)
-    _check(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], kernel, dtype)
+    index, weights = routing(37, 4, 2, skew)
+    check_forward(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], kernel, dtype)
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 def test_non_contiguous_inputs(kernel):
     dtype = torch.float32
     layout = LAYOUTS[0]
-    gate_up, down, gb, db = _weights(4, 32, 16, layout, True, dtype)
+    gate_up, down, gb, db = expert_weights(4, 32, 16, layout, True, dtype)
     gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
     x = torch.randn(22, 64).to(DEVICE, dtype)[::2, ::2]
-    index, weights = _routing(11, 4, 2)
+    index, weights = routing(11, 4, 2)
     index = torch.cat([index, index], dim=1)[:, ::2]
     weights = torch.cat([weights, weights], dim=1)[:, ::2]
-    _check(x, index, weights, (gate_up, down, gb, db), EPILOGUES["silu"], layout, kernel, dtype)
+    check_forward(x, index, weights, (gate_up, down, gb, db), EPILOGUES["silu"], layout, kernel, dtype)
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 def test_expert_parallel_sentinels_add_nothing(kernel):
     """Ids >= E (transformers' EP: slots another rank owns) contribute nothing, as in grouped_mm."""
     dtype = torch.float32
-    w = _weights(4, 32, 16, LAYOUTS[0], True, dtype)
+    w = expert_weights(4, 32, 16, LAYOUTS[0], True, dtype)
     x = torch.randn(9, 32).to(DEVICE, dtype)
-    index, weights = _routing(9, 4, 2)
+    index, weights = routing(9, 4, 2)
     index[::2, 1] = 4  # the sentinel
     index[3, :] = 7  # a token with no local expert at all
     out = torch.full((9, 32), float("nan"), dtype=dtype, device=DEVICE)
@@ -137,7 +88,7 @@ def test_expert_parallel_sentinels_add_nothing(kernel):
 @pytest.mark.parametrize("top_k, block_m", [(1, 16), (2, 16), (8, 64)])
 def test_expert_blocks_lay_every_pair_out_once_per_expert(prep, top_k, block_m):
     e, t = top_k + 5, 53
-    index, _ = _routing(t, e, top_k, "empty_expert")
+    index, _ = routing(t, e, top_k, "empty_expert")
     index[0, 0] = e  # a sentinel gets no row
     sorted_pairs, block_expert = prep(index, e, block_m)
     s = t * top_k
@@ -156,9 +107,9 @@ def test_expert_blocks_lay_every_pair_out_once_per_expert(prep, top_k, block_m):
 
 
 def test_bad_operands_name_the_fix():
-    w = _weights(4, 32, 16, LAYOUTS[0], False, torch.float32)
+    w = expert_weights(4, 32, 16, LAYOUTS[0], False, torch.float32)
     x = torch.randn(3, 32, device=DEVICE)
-    index, weights = _routing(3, 4, 2)
+    index, weights = routing(3, 4, 2)
     with pytest.raises(ValueError, match=r"x must be \[T, 32\]"):
         experts_forward(x[:, :31], index, weights, *w[:2], EPILOGUES["silu"])
     with pytest.raises(ValueError, match="top_k_index must be an integer"):
@@ -177,9 +128,9 @@ def test_every_rules_tile_against_float64(rule):
     """Each rule's config, whatever T the planner gives it, on a call whose experts get 0 to 40 rows."""
     dtype = torch.float16
     for layout in LAYOUTS[:2]:
-        w = _weights(6, 72, 40, layout, True, dtype)
+        w = expert_weights(6, 72, 40, layout, True, dtype)
         x = torch.randn(45, 72).to(DEVICE, dtype)
-        index, weights = _routing(45, 6, 2, "empty_expert")
+        index, weights = routing(45, 6, 2, "empty_expert")
         gate_up, down, gb, db = w
         f64 = lambda t: t.double()  # noqa: E731
         ref = experts_reference(x.double(), index, weights.double(), f64(gate_up), f64(down), EPILOGUES["silu"],
