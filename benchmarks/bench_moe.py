@@ -109,10 +109,11 @@ def sweep_configs() -> dict:
         "g128_256x64w8": ("experts_grouped", C(128, 128, 64, 256, 64, group_m=8, num_warps=8, num_stages=3)),
         "grouped": ("experts_grouped", None),
         "gemv": ("experts_gemv", GEMV),
-        "gemv_32x128": ("experts_gemv", replace(GEMV, block_n=32, block_k=128)),
-        "gemv_d16x64": ("experts_gemv", replace(GEMV, down_block_n=16, down_block_k=64)),
-        "gemv_d4x256": ("experts_gemv", replace(GEMV, down_block_n=4, down_block_k=256)),
-        "gemv_w8": ("experts_gemv", replace(GEMV, block_k=512, down_block_k=256, num_warps=8)),
+        "gemv_d8x128": ("experts_gemv", replace(GEMV, down_block_n=8, down_block_k=128)),
+        "gemv_d2x512": ("experts_gemv", replace(GEMV, down_block_n=2, down_block_k=512)),
+        "gemv_g8x512": ("experts_gemv", replace(GEMV, block_n=8, block_k=512)),
+        "gemv_g8x512_d2x512": ("experts_gemv", replace(GEMV, block_n=8, block_k=512, down_block_n=2,
+                                                       down_block_k=512)),
     }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 

@@ -177,6 +177,8 @@ class KernelCapability:
         one_token: M == 1 only, with whole gate/up blocks (the GEMV).
         gpu_only: a Gluon kernel for Hopper (wgmma): CUDA tensors on a compute-capability 9.x GPU,
             never under the interpreter.
+        unit_stride_rows: reads each weight row as one contiguous vector (the experts GEMV): the
+            weights' reduction axis must have unit stride, which only `can_run` sees (a layout).
     """
 
     name: str
@@ -186,11 +188,12 @@ class KernelCapability:
     tma: bool = False
     one_token: bool = False
     gpu_only: bool = False
+    unit_stride_rows: bool = False
 
     @property
     def runs_every_call(self) -> bool:
         """Needs nothing of the tensors: the planner skips its `can_run`."""
-        return not (self.tma or self.one_token or self.gpu_only) and self.dtypes == ALL_DTYPES
+        return not (self.tma or self.one_token or self.gpu_only or self.unit_stride_rows) and self.dtypes == ALL_DTYPES
 
     def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True, on_gpu: bool = True) -> bool:
         """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
@@ -208,4 +211,6 @@ class KernelCapability:
             return TMA_NEEDS + (" on a Hopper GPU (a Gluon kernel: not under the interpreter)" if self.gpu_only else "")
         if self.one_token:
             return f"M == 1 and I % {GATE_UP_BLOCK} == 0"
+        if self.unit_stride_rows:
+            return "weights with unit stride along their reduction axis (gate_up [E, 2I, K], down [E, K_out, I])"
         return "floating-point tensors in " + "/".join(str(d).replace("torch.", "") for d in self.dtypes)

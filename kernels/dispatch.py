@@ -13,7 +13,8 @@ kernel file's ``CAPABILITY``, a `configs.KernelCapability`); the first whose ``c
 accepts the tensors launches (each table ends with rules whose kernel runs every call). The
 launchers are built once per call signature and kept in one table of plain values, `_PLANS`
 (no tensors): a repeated call costs its checks, one dictionary lookup and the launch
-(`gated_gemm`, the inference hot path, checks its arguments only when it builds a plan). Rule
+(`gated_gemm`, the inference hot path, checks its arguments only when it builds a plan); a call
+naming its kernel keeps that kernel's launcher there too. Rule
 bounds on M sit at bucket edges (`configs.m_bucket`; a test checks), so a plan per bucket is
 exact. A call that names its kernel or config takes `_forced`. `explain(..., op=)` says which
 rule a call takes and why each earlier one did not; `choose` returns it.
@@ -111,7 +112,8 @@ def candidates(key: CallKey, op: str = "forward") -> list[tuple[int, Rule]]:
 
 
 # Per call signature the candidates' (can_run or None, launcher), in rule order: `gated_gemm`'s
-# signatures (`_signature`) and (op, CallKey, epilogue, ...) for the other entry points. Plain values
+# signatures (`_signature`) and (op, CallKey, epilogue, ...) for the other entry points; and per
+# (op, CallKey, epilogue, ..., kernel, config) of a call naming its kernel, that launcher. Plain values
 # only: predicates and launchers (closures over configs and constexprs), no tensors.
 _PLANS: dict[tuple, tuple] = {}
 _BUCKETS = [m_bucket(m) for m in range(8193)]
@@ -130,9 +132,9 @@ def _launch(fn: str, op: str, key: CallKey, epilogue: GatedEpilogue, approx: boo
     """Run op's call: its plan's first candidate that can run `can_args` (kernel "auto", no config),
     or the named kernel (`_forced`), launched on `launch_args`; a launcher is the kernel file's
     ``make_launcher(config, epilogue constexprs, *extras)``."""
+    tf32 = key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     if kernel == "auto" and config is None:
-        plan_key = (op, key, epilogue, approx, key.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32,
-                    extras)
+        plan_key = (op, key, epilogue, approx, tf32, extras)
         plan = _PLANS.get(plan_key)
         if plan is None:
             plan = _PLANS[plan_key] = _build(op, key, epilogue, approx, extras)
@@ -141,7 +143,12 @@ def _launch(fn: str, op: str, key: CallKey, epilogue: GatedEpilogue, approx: boo
                 return launch(*launch_args)
         raise AssertionError(f"rules.TABLES[{OPS[op][0]!r}] ends with rules whose kernel runs every call")
     module, config = _forced(fn, op, key, kernel, config, can_args)
-    return module.make_launcher(config, dict(epilogue.constexprs(), APPROX_TANH=approx), *extras)(*launch_args)
+    plan_key = (op, key, epilogue, approx, tf32, extras, module.CAPABILITY.name, config)
+    launch = _PLANS.get(plan_key)
+    if launch is None:  # a named kernel's launcher is kept too: a repeated call pays no build or first launch
+        launch = _PLANS[plan_key] = module.make_launcher(config, dict(epilogue.constexprs(), APPROX_TANH=approx),
+                                                         *extras)
+    return launch(*launch_args)
 
 
 def _forced(fn: str, op: str, key: CallKey, kernel: str, config: GatedGemmConfig | None, can_args: tuple):
@@ -155,8 +162,9 @@ def _forced(fn: str, op: str, key: CallKey, kernel: str, config: GatedGemmConfig
         raise ValueError(f"{fn}: kernel must be 'auto' or one of {names} (the kernels for {op}), got {kernel!r}")
     module = MODULES[kernel]
     if not module.can_run(*can_args):
+        shapes = [tuple(t.shape) for t in can_args if isinstance(t, torch.Tensor)]
         raise ValueError(f"{fn}: kernel={kernel!r} needs {module.CAPABILITY.needs()}; got {can_args[0].dtype} "
-                         f"tensors of shapes {[tuple(t.shape) for t in can_args if t is not None]}; use kernel='auto'")
+                         f"tensors of shapes {shapes}; use kernel='auto'")
     if config is not None:
         return module, config
     config = DEFAULT_CONFIGS.get(kernel)

@@ -108,5 +108,5 @@ def experts_forward(
     inter = (gate_up.shape[2] if layout.transposed else gate_up.shape[1]) // 2
     key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
     extras = (layout, gate_up_bias is not None, top_k_index.shape[1])
-    return _launch(fn, "experts", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
-                   (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out), kernel, config)
+    return _launch(fn, "experts", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras,
+                   (x, gate_up, down, layout), (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out), kernel, config)

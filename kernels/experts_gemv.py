@@ -18,10 +18,12 @@ blocks, launches four kernels and allocates six tensors; this one launches two a
   combine, in registers). Sentinel slots add nothing.
 
 No tensor cores and no shared memory: a pair's rows are a matrix-vector product, and many small
-programs per SM keep the weight's bytes in flight as a pure read does. Any layout (strides from
-`ExpertsLayout`), biases, every epilogue, any dtype the interpreter or the GPU takes, any strides
-of x, the routing tensors and out. No pre-activation store and no low-rank segment: the planner
-gives this file plain inference calls only (`CAPABILITY`).
+programs per SM keep the weight's bytes in flight as a pure read does. So the weights' rows must
+be contiguous along the reduction axis (`can_run`: gate_up [E, 2I, K] and down [E, K_out, I] with
+unit inner strides, chunked or interleaved gate/up, any other strides); a transposed layout
+(gpt-oss) runs on the grouped kernels. Biases, every epilogue, any dtype the interpreter or the
+GPU takes, any strides of x, the routing tensors and out. No pre-activation store and no
+low-rank segment: the planner gives this file plain inference calls only (`CAPABILITY`).
 """
 
 from __future__ import annotations
@@ -127,12 +129,13 @@ def _experts_down_combine_kernel(
     tl.store(out_ptr + token * stride_om + offs_n * stride_on, total.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-CAPABILITY = KernelCapability("experts_gemv", ops=("experts",))
+CAPABILITY = KernelCapability("experts_gemv", ops=("experts",), unit_stride_rows=True)
 
 
-def can_run(*tensors) -> bool:
-    """Every plain inference call: any device Triton runs on, any strides, any sizes."""
-    return True
+def can_run(x, gate_up, down, layout) -> bool:
+    """Weights whose rows are contiguous along the reduction axis (K for gate_up, I for down):
+    every layout but the transposed one, on any device Triton runs on, at any sizes."""
+    return layout.gate_up_strides(gate_up)[2] == 1 and layout.down_strides(down)[2] == 1
 
 
 def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int):

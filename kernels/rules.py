@@ -233,11 +233,11 @@ MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train
                          "h100/moe_train/wgrad_ws_rule/results.json")
 MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws256/results.json")
 MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
-EXPERTS_GEMV_CONFIG = EC(1, 16, 256, 8, 128, num_warps=4, num_stages=1)
+EXPERTS_GEMV_CONFIG = EC(1, 16, 256, 4, 256, num_warps=4, num_stages=1)
 EXPERTS_RULES: tuple[Rule, ...] = (
-    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 2), captured=False,
-         why="eager decode: two launches and one allocation, no routing prep (the grouped path: four launches, "
-             "six allocations); not yet timed"),
+    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 2), i=(None, 1024), captured=False,
+         why="eager decode of small experts: two launches and one allocation, no routing prep (the grouped path: "
+             "four launches, six allocations); not yet timed"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
              "1.014x at T = 4-8, 1.017x at T = 64"),

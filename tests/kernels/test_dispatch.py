@@ -219,6 +219,9 @@ def test_one_plan_cache_for_every_op_holding_no_tensors(monkeypatch):
     assert len(dispatch._PLANS) == 5  # and gated_gemm's own signature
     dispatch.gated_gemm_with_preact(x, w)  # a repeated call builds nothing
     assert len(dispatch._PLANS) == 5
+    for _ in range(2):  # a call naming its kernel keeps its launcher once
+        dispatch.gated_gemm_with_preact(x, w, kernel="pointer")
+    assert len(dispatch._PLANS) == 6
 
     def tensors_in(obj, depth=0):
         if isinstance(obj, torch.Tensor):

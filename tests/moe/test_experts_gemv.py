@@ -66,18 +66,39 @@ def test_an_eager_decode_call_launches_two_kernels(monkeypatch):
     assert len(launched) == 4 and "_experts_gated_gemv_kernel" not in launched
 
 
+def test_weights_strided_along_their_rows_go_to_the_grouped_kernels(monkeypatch):
+    """A transposed layout (gpt-oss) reads K and I with a stride: auto runs the grouped path, and
+    naming the GEMV is an error that says what it needs and the fix."""
+    launched = []
+    call = launcher.FastLaunch.__call__
+    monkeypatch.setattr(launcher.FastLaunch, "__call__",
+                        lambda self, *a: (launched.append(self.kernel.__name__), call(self, *a))[1])
+    dtype = torch.float32
+    layout = LAYOUTS[1]
+    w = expert_weights(4, 32, 16, layout, True, dtype)
+    x = torch.randn(1, 32).to(DEVICE, dtype)
+    index, weights = routing(1, 4, 2)
+    check_forward(x, index, weights, w, EPILOGUES["gpt_oss"], layout, "auto", dtype)
+    assert "_experts_gated_gemv_kernel" not in launched and len(launched) == 4
+    with pytest.raises(ValueError, match="unit stride along their reduction axis.*kernel='auto'"):
+        experts_forward(x, index, weights, *w[:2], EPILOGUES["gpt_oss"], layout, *w[2:], kernel="experts_gemv")
+
+
 @pytest.mark.parametrize("gpu", [H100, "NVIDIA A100-SXM4-80GB", "cpu"])
 def test_the_planner_gives_it_eager_decode_calls_only(gpu):
-    """Eager calls of 1-2 tokens; never a captured call (a CUDA graph pays no host time, and the
-    grouped kernels are the ones timed there), more tokens, a call storing P or one with LoRA."""
+    """Eager calls of 1-2 tokens on experts of I <= 1024; never a captured call (a CUDA graph pays no
+    host time, and the grouped kernels are the ones timed there), more tokens, larger experts (the
+    GPU, not the host, bounds those), a call storing P or one with LoRA."""
     dtype = torch.float16
-    for m, captured, op, kernel in ((1, False, "experts", "experts_gemv"), (2, False, "experts", "experts_gemv"),
-                                    (3, False, "experts", "experts_grouped"),
-                                    (1, True, "experts", "experts_grouped"),
-                                    (1, False, "experts_preact", "experts_grouped"),
-                                    (1, False, "experts_low_rank", "experts_grouped"),
-                                    (1, False, "experts_low_rank_preact", "experts_grouped")):
-        _, rule, _ = dispatch.choose(gpu, dtype, m, 2048, 768, captured, op=op)
-        assert rule.kernel == kernel, (m, captured, op)
+    for m, i, captured, op, kernel in ((1, 768, False, "experts", "experts_gemv"),
+                                       (2, 1024, False, "experts", "experts_gemv"),
+                                       (3, 768, False, "experts", "experts_grouped"),
+                                       (1, 1408, False, "experts", "experts_grouped"),  # GPU-bound: larger experts
+                                       (1, 768, True, "experts", "experts_grouped"),
+                                       (1, 768, False, "experts_preact", "experts_grouped"),
+                                       (1, 768, False, "experts_low_rank", "experts_grouped"),
+                                       (1, 768, False, "experts_low_rank_preact", "experts_grouped")):
+        _, rule, _ = dispatch.choose(gpu, dtype, m, 2048, i, captured, op=op)
+        assert rule.kernel == kernel, (m, i, captured, op)
     text = dispatch.explain(gpu, dtype, 1, 2048, 768, captured=True, op="experts")
     assert "experts_gemv" in text and "only for" not in text.split("CHOSEN")[1]

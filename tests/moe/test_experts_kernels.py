@@ -19,9 +19,13 @@ from swiglu_patch.kernels.experts_routing import capacity, expert_blocks, expert
 from swiglu_patch.kernels.rules import EXPERTS_RULES
 
 
-@pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
+# Each kernel with the layouts it takes (the GEMV reads weight rows along a unit stride: not transposed ones).
+KERNEL_LAYOUTS = [(k, layout) for k in EXPERTS_KERNELS for layout in LAYOUTS
+                  if k != "experts_gemv" or not layout.transposed]
+
+
+@pytest.mark.parametrize("kernel, layout", KERNEL_LAYOUTS, ids=lambda v: v if isinstance(v, str) else v.describe())
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.describe())
 def test_layouts_and_bias_against_float64(kernel, dtype, layout):
     e, k, i, top_k = 5, 40, 24, 2  # K and I off every block size
     for t, bias in ((1, False), (7, True)):
@@ -34,8 +38,9 @@ def test_layouts_and_bias_against_float64(kernel, dtype, layout):
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 @pytest.mark.parametrize("name", list(EPILOGUES))
 def test_every_epilogue_at_large_magnitudes(kernel, name):
-    """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed layout."""
-    layout = LAYOUTS[1] if name == "gpt_oss" else LAYOUTS[0]
+    """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed layout (untransposed
+    for the GEMV)."""
+    layout = (LAYOUTS[3] if kernel == "experts_gemv" else LAYOUTS[1]) if name == "gpt_oss" else LAYOUTS[0]
     dtype = torch.float32
     w = expert_weights(6, 48, 32, layout, name == "gpt_oss", dtype)
     x = (torch.randn(9, 48) * 6.0).to(DEVICE, dtype)
@@ -58,7 +63,10 @@ def test_non_contiguous_inputs(kernel):
     dtype = torch.float32
     layout = LAYOUTS[0]
     gate_up, down, gb, db = expert_weights(4, 32, 16, layout, True, dtype)
-    gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    padded = torch.zeros(4, 32, 16 + 8, dtype=dtype, device=DEVICE)
+    down = padded[..., :16].copy_(down)  # rows 24 apart (the GEMV reads rows along their unit stride)
+    if kernel == "experts_grouped":
+        gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K strided
     x = torch.randn(22, 64).to(DEVICE, dtype)[::2, ::2]
     index, weights = routing(11, 4, 2)
     index = torch.cat([index, index], dim=1)[:, ::2]
@@ -127,7 +135,7 @@ def test_bad_operands_name_the_fix():
 def test_every_rules_tile_against_float64(rule):
     """Each rule's config, whatever T the planner gives it, on a call whose experts get 0 to 40 rows."""
     dtype = torch.float16
-    for layout in LAYOUTS[:2]:
+    for layout in (LAYOUTS[0], LAYOUTS[3]) if rule.kernel == "experts_gemv" else LAYOUTS[:2]:
         w = expert_weights(6, 72, 40, layout, True, dtype)
         x = torch.randn(45, 72).to(DEVICE, dtype)
         index, weights = routing(45, 6, 2, "empty_expert")
