@@ -240,8 +240,9 @@ EXPERTS_RULES: tuple[Rule, ...] = (
          why="eager decode of small experts: two launches and one allocation, no routing prep (the grouped path: "
              "four launches, six allocations). Eager calls back to back on the H100, T = 1 / 2: 43 / 65 us against "
              "the grouped kernels' 103 / 103 (Qwen3-30B-A3B), 43 / 49 against 104 / 103 (Qwen3.5-35B-A3B), 51 / 83 "
-             "against 112 / 118 (OLMoE); GPU time at T = 1 within 2% of theirs. Larger experts are GPU-bound: "
-             "GLM-4.5-Air (I = 1408) 115 / 210 against 119 / 180, Mixtral 261 / 484 against 257 / 375"),
+             "against 112 / 118 (OLMoE); GPU time at T = 1 within 3% of theirs. Larger experts are GPU-bound: "
+             "GLM-4.5-Air (I = 1408) 115 / 210 against 119 / 180, Mixtral 261 / 484 against 257 / 375. Weights with "
+             "unit-stride rows only (its can_run): a transposed layout (gpt-oss) takes the grouped rules below"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
              "1.014x at T = 4-8, 1.017x at T = 64"),
