@@ -59,8 +59,10 @@ def _experts_gated_gemv_kernel(
         mask_n = offs_n < I
         offs_k = tl.arange(0, BLOCK_K)
         gate_rows = (offs_n * GATE_STEP).to(tl.int64)
-        g_ptrs = w_ptr + expert * stride_we + gate_rows[:, None] * stride_wn + offs_k[None, :] * stride_wk
-        u_ptrs = g_ptrs + UP_SHIFT * stride_wn
+        up_rows = gate_rows + UP_SHIFT  # int64: I rows on in a chunked layout
+        w_base = w_ptr + expert * stride_we + offs_k[None, :] * stride_wk
+        g_ptrs = w_base + gate_rows[:, None] * stride_wn
+        u_ptrs = w_base + up_rows[:, None] * stride_wn
         x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + offs_k * stride_xk
         acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # reduced over K once, after the loop
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -76,9 +78,9 @@ def _experts_gated_gemv_kernel(
         gate = tl.sum(acc_gate, axis=1)
         up = tl.sum(acc_up, axis=1)
         if HAS_BIAS:
-            b_rows = b_ptr + expert * stride_be + gate_rows * stride_bn
-            gate += tl.load(b_rows, mask=mask_n, other=0.0).to(tl.float32)
-            up += tl.load(b_rows + UP_SHIFT * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+            b_base = b_ptr + expert * stride_be
+            gate += tl.load(b_base + gate_rows * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
+            up += tl.load(b_base + up_rows * stride_bn, mask=mask_n, other=0.0).to(tl.float32)
         h = experts_epilogue(gate, up, ACTIVATION, APPROX_TANH, GATE_SCALE, OUT_SCALE, CLAMP, LIMIT, ALPHA)
         tl.store(h_ptr + pair.to(tl.int64) * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
 

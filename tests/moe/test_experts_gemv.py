@@ -8,9 +8,15 @@ check draws fresh inputs, poisons the output and compares with float64 (`experts
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from moe.experts_ws_compile import CUOBJDUMP
 from swiglu_patch.kernels import dispatch, launcher
 from swiglu_patch.kernels.experts import experts_forward
 from moe.experts_forward_check import DEVICE, DTYPES, EPILOGUES, LAYOUTS, check_forward, expert_weights, routing
@@ -102,3 +108,19 @@ def test_the_planner_gives_it_eager_decode_calls_only(gpu):
         assert rule.kernel == kernel, (m, i, captured, op)
     text = dispatch.explain(gpu, dtype, 1, 2048, 768, captured=True, op="experts")
     assert "experts_gemv" in text and "only for" not in text.split("CHOSEN")[1]
+
+
+@pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
+@pytest.mark.parametrize("layout, has_bias", [("chunked", "0"), ("interleaved", "1")])
+def test_both_kernels_compile_for_hopper_as_a_launch_specializes_them(layout, has_bias, tmp_path):
+    """The interpreter specializes no argument; the GPU turns ints equal to 1 (the interleaved layout's
+    UP_SHIFT, unit strides) into constants, so only a compile shows the kernels take them. No spills."""
+    script = Path(__file__).with_name("experts_gemv_compile.py")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    run = subprocess.run([sys.executable, str(script), "bfloat16", layout, has_bias, str(tmp_path)], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    for name in ("gated", "down"):
+        usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / f"{name}.cubin")], capture_output=True,
+                               text=True, check=True).stdout
+        assert " STACK:0 " in usage and " LOCAL:0 " in usage, (name, usage)

@@ -1,0 +1,74 @@
+"""Compile the experts GEMV kernels (`experts_gemv.py`) for sm_90a without a GPU, as a GPU launch
+specializes them: run by `test_experts_gemv.py` in a process without TRITON_INTERPRET (the
+interpreter specializes nothing, so an argument Triton turns into the constant 1 on the GPU, the
+interleaved layout's UP_SHIFT among them, is only exercised by compiling).
+
+    python experts_gemv_compile.py DTYPE LAYOUT HAS_BIAS OUT_DIR
+
+LAYOUT: "chunked" ([gate; up], UP_SHIFT = I) or "interleaved" (UP_SHIFT = 1). Writes gated.cubin
+and down.cubin to OUT_DIR and prints their kernel names.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+
+def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -> dict:
+    """Both kernels compiled for sm_90a as the rule's launcher launches them on the Qwen3-30B-A3B
+    shape at T = 1 (K = K_out = 2048, I = 768, E = 128, top-8, contiguous tensors): {name: compiled}."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from swiglu_patch.kernels import experts_gemv as gemv
+    from swiglu_patch.kernels.epilogue import GatedEpilogue
+    from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
+    from swiglu_patch.kernels.rules import EXPERTS_GEMV_CONFIG as config
+
+    k, i, e, top_k = 2048, 768, 128, 8
+    epilogue = dict(ExpertsEpilogue(GatedEpilogue("silu")).constexprs(), APPROX_TANH=True)
+    x, h, out = torch.empty(1, k, dtype=dtype), torch.empty(top_k, i, dtype=dtype), torch.empty(1, k, dtype=dtype)
+    idx, w = torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
+    gate_up, down = torch.empty(e, 2 * i, k, dtype=dtype), torch.empty(e, k, i, dtype=dtype)
+    bias, dbias = torch.empty(e, 2 * i, dtype=dtype), torch.empty(e, k, dtype=dtype)
+    launches = {
+        "gated": (gemv._experts_gated_gemv_kernel, dict(
+            x_ptr=x, idx_ptr=idx, w_ptr=gate_up, b_ptr=bias, h_ptr=h, K=k, I=i, UP_SHIFT=i if concatenated else 1,
+            NUM_EXPERTS=e, COLUMN_BLOCKS=i // config.block_n, stride_xm=k, stride_xk=1, stride_it=top_k, stride_ij=1,
+            stride_we=2 * i * k, stride_wn=k, stride_wk=1, stride_be=2 * i, stride_bn=1, stride_hm=i),
+            dict(TOP_K=top_k, GATE_STEP=1 if concatenated else 2, HAS_BIAS=has_bias, **epilogue,
+                 BLOCK_N=config.block_n, BLOCK_K=config.block_k)),
+        "down": (gemv._experts_down_combine_kernel, dict(
+            h_ptr=h, idx_ptr=idx, rw_ptr=w, d_ptr=down, db_ptr=dbias, out_ptr=out, I=i, K_OUT=k, NUM_EXPERTS=e,
+            ROW_BLOCKS=k // config.down_block_n, stride_hm=i, stride_it=top_k, stride_ij=1, stride_rt=top_k,
+            stride_rj=1, stride_de=k * i, stride_dn=i, stride_di=1, stride_dbe=k, stride_dbn=1, stride_om=k,
+            stride_on=1),
+            dict(TOP_K=top_k, SLOTS=top_k, HAS_BIAS=has_bias, BLOCK_N=config.down_block_n,
+                 BLOCK_K=config.down_block_k)),
+    }
+    compiled = {}
+    for name, (kernel, runtime, fixed) in launches.items():
+        names = kernel.arg_names
+        ones = {n: 1 for n, v in runtime.items() if v is not None and type(v) is int and v == 1}  # what Triton does
+        fixed = dict(fixed, **ones)
+        signature = {n: "constexpr" if n in fixed else mangle_type(runtime[n]) for n in names}
+        constexprs = {(names.index(n),): v for n, v in fixed.items()}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, v in runtime.items()
+                 if n not in fixed and (isinstance(v, torch.Tensor) or v % 16 == 0)}
+        source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
+        compiled[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                        options={"num_warps": config.num_warps, "num_stages": 1})
+    return compiled
+
+
+if __name__ == "__main__":
+    dtype_name, layout, has_bias, out_dir = sys.argv[1:5]
+    kernels = compile_for_hopper(getattr(torch, dtype_name), layout == "chunked", bool(int(has_bias)))
+    for name, kernel in kernels.items():
+        (Path(out_dir) / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
+        print(name, kernel.metadata.name)
