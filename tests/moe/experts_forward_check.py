@@ -1,7 +1,8 @@
-"""The experts forward's checks against float64, shared by `test_experts_kernels.py` and
-`test_experts_gemv.py`: seeded weights in any layout, routings (uniform, all tokens on one expert, an
-expert with none), and `check_forward`: fresh inputs, a poisoned output, within twice the error of
-PyTorch's own same-dtype computation (the reference in that dtype) against float64, plus a small epsilon.
+"""The experts forward's check against float64, shared by `test_experts_kernels.py` and
+`test_experts_gemv.py`: `check_forward`, a poisoned output, within twice the error of PyTorch's own
+same-dtype computation (the reference in that dtype) against float64, plus a small epsilon. The
+cases (device, dtypes, layouts, epilogues, weights, routings) are the gradient check's
+(`experts_grad_check.py`), re-exported here.
 """
 
 from __future__ import annotations
@@ -9,43 +10,12 @@ from __future__ import annotations
 import torch
 
 from helpers import rel_err
-from swiglu_patch.kernels.epilogue import GatedEpilogue
+from moe.experts_grad_check import DEVICE, DTYPES, EPILOGUES, LAYOUTS, expert_weights, routing
 from swiglu_patch.kernels.experts import experts_forward
-from swiglu_patch.kernels.experts_reference import ExpertsEpilogue, ExpertsLayout, experts_reference
+from swiglu_patch.kernels.experts_reference import experts_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+__all__ = ["DEVICE", "DTYPES", "EPILOGUES", "EPS", "LAYOUTS", "check_forward", "expert_weights", "routing"]
 EPS = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 5e-3}
-LAYOUTS = [ExpertsLayout(), ExpertsLayout(transposed=True, concatenated=False), ExpertsLayout(transposed=True),
-           ExpertsLayout(concatenated=False)]
-EPILOGUES = {
-    "silu": ExpertsEpilogue(GatedEpilogue("silu")),
-    "gelu_tanh": ExpertsEpilogue(GatedEpilogue("gelu_tanh")),
-    "gelu": ExpertsEpilogue(GatedEpilogue("gelu")),
-    "clamp_gate": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5, clamp="gate")),
-    "clamp_activation": ExpertsEpilogue(GatedEpilogue("silu", limit=0.5, clamp="activation")),
-    "gpt_oss": ExpertsEpilogue(GatedEpilogue("silu", limit=1.5), alpha=1.702),
-}
-
-
-def expert_weights(e: int, k: int, i: int, layout: ExpertsLayout, bias: bool, dtype, scale: float = 1.0):
-    gen = torch.Generator().manual_seed(e * 1000 + k + i)
-    gate_up = torch.randn((e, k, 2 * i) if layout.transposed else (e, 2 * i, k), generator=gen) * k ** -0.5
-    down = torch.randn((e, i, k) if layout.transposed else (e, k, i), generator=gen) * i ** -0.5
-    gate_up_bias = torch.randn(e, 2 * i, generator=gen) * 0.3 if bias else None
-    down_bias = torch.randn(e, k, generator=gen) * 0.3 if bias else None
-    to = lambda t: None if t is None else (t * scale).to(DEVICE, dtype)  # noqa: E731
-    return to(gate_up), to(down), to(gate_up_bias), to(down_bias)
-
-
-def routing(t: int, e: int, top_k: int, skew: str = "uniform"):
-    logits = torch.randn(t, e)
-    if skew == "one_expert":  # every token's first choice is expert 0
-        logits[:, 0] = 100.0
-    if skew == "empty_expert":  # expert e-1 never chosen
-        logits[:, -1] = -100.0
-    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
-    return index.to(DEVICE), weights.to(DEVICE)
 
 
 def check_forward(x, index, weights, w, epilogue, layout, kernel, dtype):
