@@ -115,7 +115,7 @@ def candidates(key: CallKey, op: str = "forward") -> list[tuple[int, Rule]]:
 # signatures (`_signature`) and (op, CallKey, epilogue, ...) for the other entry points; and per
 # (op, CallKey, epilogue, ..., kernel, config) of a call naming its kernel, that launcher. Plain values
 # only: predicates and launchers (closures over configs and constexprs), no tensors.
-_PLANS: dict[tuple, tuple] = {}
+_PLANS: dict[tuple, object] = {}
 _BUCKETS = [m_bucket(m) for m in range(8193)]
 
 

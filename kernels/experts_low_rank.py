@@ -9,8 +9,9 @@ low_rank) adds s (dOut B_d) A_d to dH's G and s (dP B) A to dX as the same segme
 adapters' gradients are the weight-gradient kernel's sums over each expert's pairs:
 dA = (s dP B)^T x, dB = dP^T x_lr, dA_d = (s dOut B_d)^T (w h), dB_d = dOut^T (w h_lr).
 
-Rules and tiles are the experts ops' (`rules.EXPERTS_RULES`, `rules.EXPERTS_BACKWARD_RULES`):
-the planner's extras carry the segments' BLOCK_R.
+Rules and tiles are the experts ops' (`rules.EXPERTS_RULES`, `rules.EXPERTS_BACKWARD_RULES`),
+the forward as ops "experts_low_rank[_preact]" (kernels with the "low_rank" feature: the
+grouped one); the planner's extras carry the segments' BLOCK_R.
 """
 
 from __future__ import annotations
