@@ -77,8 +77,8 @@ def sweep_configs() -> dict:
     warp-specialized for calls storing no P, and the down GEMM by `experts_down_ws.py` on 128x256 tiles at 3 stages,
     on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rule from T = 4096 without it); "ws_preact":
     that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`); "grouped": the grouped kernel
-    at its rule's tiles for T; "gemv" and "gemv_*": the GEMV path (`experts_gemv.py`) at the rule's tiles and others,
-    for decode (the planner gives it eager calls, the grouped kernel captured ones)."""
+    at its rule's tiles for T; "gemv" and "gemv_*": the GEMV path (`experts_gemv.py`) at the rule's tiles and others
+    ("gemv_16x256_d4x256": its first rule's), for decode."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
@@ -109,11 +109,10 @@ def sweep_configs() -> dict:
         "g128_256x64w8": ("experts_grouped", C(128, 128, 64, 256, 64, group_m=8, num_warps=8, num_stages=3)),
         "grouped": ("experts_grouped", None),
         "gemv": ("experts_gemv", GEMV),
-        "gemv_d8x128": ("experts_gemv", replace(GEMV, down_block_n=8, down_block_k=128)),
-        "gemv_d2x512": ("experts_gemv", replace(GEMV, down_block_n=2, down_block_k=512)),
-        "gemv_g8x512": ("experts_gemv", replace(GEMV, block_n=8, block_k=512)),
-        "gemv_g8x512_d2x512": ("experts_gemv", replace(GEMV, block_n=8, block_k=512, down_block_n=2,
-                                                       down_block_k=512)),
+        "gemv_16x256_d4x256": ("experts_gemv", C(1, 16, 256, 4, 256, num_warps=4, num_stages=1)),
+        "gemv_d8x256": ("experts_gemv", replace(GEMV, down_block_n=8, down_block_k=256)),
+        "gemv_16x128w2_d8x128w2": ("experts_gemv", replace(GEMV, block_n=16, num_warps=2, down_block_n=8,
+                                                           down_num_warps=2)),
     }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 

@@ -116,6 +116,8 @@ class ExpertsConfig:
         down_block_n, down_block_k: the down kernel's tile along K_out and its step along I.
         group_m: blocks that walk the column tiles together (L2 reuse).
         num_warps, num_stages: Triton's launch parameters.
+        down_num_warps: the GEMV's down kernel's warps (`experts_gemv.py`), where they differ from
+            its gated kernel's num_warps (None: num_warps); the grouped kernels do not read it.
         warp_specialized: on Hopper, run the gated GEMM of calls that store no P as the
             warp-specialized kernel (`experts_gated_ws.py`: the same block_m x (2 x block_n)
             tiles stepping block_k over K, h's stores beside the next tile's MMAs) where it can
@@ -149,6 +151,7 @@ class ExpertsConfig:
     down_ws_block_k: int = 64
     down_ws_stages: int = 3
     down_ws_registers: tuple[int, int] = (96, 96)
+    down_num_warps: int | None = None
 
     def short(self) -> str:
         """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact 64s4", down's " ws 256x64s3" where
@@ -158,8 +161,9 @@ class ExpertsConfig:
             ws += f" ws-preact {self.ws_preact_block_k}s{self.ws_preact_stages}"
         down_ws = (f" ws {self.down_ws_block_n}x{self.down_ws_block_k}s{self.down_ws_stages}"
                    if self.down_warp_specialized else "")
+        down_w = "" if self.down_num_warps is None else f" w{self.down_num_warps}"
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}"
-                f"{down_ws}, g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
+                f"{down_w}{down_ws}, g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
 
 
 @dataclass(frozen=True)

@@ -148,13 +148,14 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
 
     config: block_n columns of I and block_k steps along K per gated program; down_block_n rows
     of K_out and down_block_k steps along I per down program (each step a [SLOTS, down_block_n,
-    down_block_k] tile); num_warps; block_m, group_m and num_stages are not used."""
+    down_block_k] tile); num_warps (the gated kernel's) and down_num_warps (the down kernel's,
+    None: num_warps); block_m, group_m and num_stages are not used."""
     gated = FastLaunch(_experts_gated_gemv_kernel, dict(
         TOP_K=top_k, GATE_STEP=1 if layout.concatenated else 2, HAS_BIAS=has_bias, **epilogue,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=1))
     down_combine = FastLaunch(_experts_down_combine_kernel, dict(
         TOP_K=top_k, SLOTS=1 << (top_k - 1).bit_length(), HAS_BIAS=has_bias, BLOCK_N=config.down_block_n,
-        BLOCK_K=config.down_block_k, num_warps=config.num_warps, num_stages=1))
+        BLOCK_K=config.down_block_k, num_warps=config.down_num_warps or config.num_warps, num_stages=1))
     transposed, concatenated = layout.transposed, layout.concatenated
 
     def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out):

@@ -234,7 +234,7 @@ MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train
                          "h100/moe_train/wgrad_ws_rule/results.json")
 MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws256/results.json")
 MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
-EXPERTS_GEMV_CONFIG = EC(1, 16, 256, 4, 256, num_warps=4, num_stages=1)
+EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_warps=4)
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 2), i=(None, 1024), captured=False, sweep=MOE_GEMV,
          why="eager decode of small experts: two launches and one allocation, no routing prep (the grouped path: "

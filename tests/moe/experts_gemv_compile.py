@@ -51,6 +51,7 @@ def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -
             dict(TOP_K=top_k, SLOTS=top_k, HAS_BIAS=has_bias, BLOCK_N=config.down_block_n,
                  BLOCK_K=config.down_block_k)),
     }
+    warps = {"gated": config.num_warps, "down": config.down_num_warps or config.num_warps}
     compiled = {}
     for name, (kernel, runtime, fixed) in launches.items():
         names = kernel.arg_names
@@ -62,7 +63,7 @@ def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -
                  if n not in fixed and (isinstance(v, torch.Tensor) or v % 16 == 0)}
         source = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
         compiled[name] = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                        options={"num_warps": config.num_warps, "num_stages": 1})
+                                        options={"num_warps": warps[name], "num_stages": 1})
     return compiled
 
 
