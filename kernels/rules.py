@@ -223,6 +223,7 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 MOE = ("h100/moe/sweep.json",)
 MOE_GATED_WS_PREACT = ("h100/moe/gated_ws_preact_handoff/results.json",)
 MOE_GEMV = ("h100/moe/gemv/results.json", "h100/moe/gemv_first/results.json")
+MOE_GEMV_TILES = ("h100/moe/gemv_tiles/results.json",)
 MOE_DOWN_WS = ("h100/moe/down_ws/results.json", "h100/moe/down_ws_8192/results.json")
 MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_rerun/results.json",
                 "h100/moe/gated_ws_preact/results.json", "h100/moe/gated_ws_preact_registers/results.json")
@@ -236,12 +237,11 @@ MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws
 MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
 EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_warps=4)
 EXPERTS_RULES: tuple[Rule, ...] = (
-    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 2), i=(None, 1024), captured=False, sweep=MOE_GEMV,
-         why="eager decode of small experts: two launches and one allocation, no routing prep (the grouped path: "
-             "four launches, six allocations). Eager calls back to back on the H100, T = 1 / 2: 43 / 65 us against "
-             "the grouped kernels' 103 / 103 (Qwen3-30B-A3B), 43 / 49 against 104 / 103 (Qwen3.5-35B-A3B), 51 / 83 "
-             "against 112 / 118 (OLMoE); GPU time at T = 1 within 3% of theirs. Larger experts are GPU-bound: "
-             "GLM-4.5-Air (I = 1408) 115 / 210 against 119 / 180, Mixtral 261 / 484 against 257 / 375. Weights with "
+    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV_TILES + MOE_GEMV,
+         why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
+             "allocations), and less GPU time too, in CUDA graphs as in eager calls. TBD"),
+    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(2, 2), i=(None, 1024), captured=False, sweep=MOE_GEMV_TILES + MOE_GEMV,
+         why="two tokens in eager calls, small experts: the host time of the two launches. TBD. Weights with "
              "unit-stride rows only (its can_run): a transposed layout (gpt-oss) takes the grouped rules below"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
