@@ -1,6 +1,7 @@
 """The experts GEMV path (`kernels/experts_gemv.py`): what `test_experts_kernels.py` checks of every
 experts kernel, plus what is its own: slot counts that are not powers of 2, sizes off its tiles,
-a strided output, any T when forced, and the planner giving it eager decode calls only.
+a strided output, any T when forced, a CUDA graph of a one-token call replayed on fresh inputs, and
+the planner giving it one-token calls and eager two-token calls only.
 
 On CPU the kernels run in Triton's interpreter (fp32, fp16); on a GPU compiled, bf16 too. Each
 check draws fresh inputs, poisons the output and compares with float64 (`experts_forward_check.check_forward`).
@@ -16,10 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import rel_err
+from moe.experts_forward_check import (DEVICE, DTYPES, EPILOGUES, EPS, LAYOUTS, check_forward, expert_weights,
+                                      routing)
 from moe.experts_ws_compile import CUOBJDUMP
 from swiglu_patch.kernels import dispatch, launcher
 from swiglu_patch.kernels.experts import experts_forward
-from moe.experts_forward_check import DEVICE, DTYPES, EPILOGUES, LAYOUTS, check_forward, expert_weights, routing
+from swiglu_patch.kernels.experts_reference import experts_reference
 
 H100 = "NVIDIA H100 80GB HBM3"
 
@@ -90,24 +94,65 @@ def test_weights_strided_along_their_rows_go_to_the_grouped_kernels(monkeypatch)
         experts_forward(x, index, weights, *w[:2], EPILOGUES["gpt_oss"], layout, *w[2:], kernel="experts_gemv")
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_a_captured_one_token_call_replays_right_on_fresh_inputs(monkeypatch):
+    """The planner gives captured one-token calls to the GEMV: a CUDA graph of an auto call, replayed
+    after fresh x, routing and weights are copied into its inputs and its output is poisoned, gives
+    the float64 reference's output of the new inputs (h lives in the graph's pool)."""
+    launched = []
+    call = launcher.FastLaunch.__call__
+    monkeypatch.setattr(launcher.FastLaunch, "__call__",
+                        lambda self, *a: (launched.append(self.kernel.__name__), call(self, *a))[1])
+    dtype, layout, epilogue = torch.bfloat16, LAYOUTS[0], EPILOGUES["silu"]
+    e, k, i, top_k = 16, 256, 96, 4
+    w = expert_weights(e, k, i, layout, False, dtype)
+    x = torch.randn(1, k).to(DEVICE, dtype)
+    index, weights = routing(1, e, top_k)
+    out = torch.empty(1, k, dtype=dtype, device=DEVICE)
+    experts_forward(x, index, weights, *w[:2], epilogue, layout, out=out)  # compiles outside the capture
+    torch.cuda.synchronize()
+    launched.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        experts_forward(x, index, weights, *w[:2], epilogue, layout, out=out)
+    assert launched == ["_experts_gated_gemv_kernel", "_experts_down_combine_kernel"]
+    for _ in range(3):
+        fresh_w = expert_weights(e, k, i, layout, False, dtype)
+        fresh_index, fresh_weights = routing(1, e, top_k)
+        for static, fresh in ((x, torch.randn(1, k).to(DEVICE, dtype)), (index, fresh_index),
+                              (weights, fresh_weights), (w[0], fresh_w[0]), (w[1], fresh_w[1])):
+            static.copy_(fresh)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = experts_reference(x.double(), index, weights.double(), w[0].double(), w[1].double(), epilogue, layout)
+        torch_err = rel_err(experts_reference(x, index, weights, *w[:2], epilogue, layout), ref)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) <= 2 * torch_err + EPS[dtype]
+
+
 @pytest.mark.parametrize("gpu", [H100, "NVIDIA A100-SXM4-80GB", "cpu"])
-def test_the_planner_gives_it_eager_decode_calls_only(gpu):
-    """Eager calls of 1-2 tokens on experts of I <= 1024; never a captured call (a CUDA graph pays no
-    host time, and the grouped kernels are the ones timed there), more tokens, larger experts (the
-    GPU, not the host, bounds those), a call storing P or one with LoRA."""
+def test_the_planner_gives_it_one_token_and_eager_two_token_calls(gpu):
+    """Every one-token call, captured or not, at any I (less GPU time than the grouped kernels as
+    well as less host time); two tokens only in eager calls on experts of I <= 1024 (the host time
+    of its two launches; in a CUDA graph, or on larger experts, the grouped kernels take less GPU
+    time); never more tokens, a call storing P or one with LoRA."""
     dtype = torch.float16
     for m, i, captured, op, kernel in ((1, 768, False, "experts", "experts_gemv"),
+                                       (1, 768, True, "experts", "experts_gemv"),
+                                       (1, 14336, True, "experts", "experts_gemv"),
                                        (2, 1024, False, "experts", "experts_gemv"),
+                                       (2, 1024, True, "experts", "experts_grouped"),
+                                       (2, 1408, False, "experts", "experts_grouped"),  # GPU-bound: larger experts
                                        (3, 768, False, "experts", "experts_grouped"),
-                                       (1, 1408, False, "experts", "experts_grouped"),  # GPU-bound: larger experts
-                                       (1, 768, True, "experts", "experts_grouped"),
                                        (1, 768, False, "experts_preact", "experts_grouped"),
                                        (1, 768, False, "experts_low_rank", "experts_grouped"),
                                        (1, 768, False, "experts_low_rank_preact", "experts_grouped")):
         _, rule, _ = dispatch.choose(gpu, dtype, m, 2048, i, captured, op=op)
         assert rule.kernel == kernel, (m, i, captured, op)
-    text = dispatch.explain(gpu, dtype, 1, 2048, 768, captured=True, op="experts")
-    assert "experts_gemv" in text and "only for" not in text.split("CHOSEN")[1]
+    text = dispatch.explain(gpu, dtype, 2, 2048, 768, captured=True, op="experts")
+    assert "experts_gemv" in text and "not for captured calls" in text
+    assert "experts_grouped" in text.split("CHOSEN")[0].splitlines()[-1]
 
 
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
