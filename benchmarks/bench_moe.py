@@ -78,11 +78,12 @@ def sweep_configs() -> dict:
     on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rule from T = 4096 without it); "ws_preact":
     that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`); "grouped": the grouped kernel
     at its rule's tiles for T; "gemv" and "gemv_*": the GEMV path (`experts_gemv.py`) at the rule's tiles and others
-    ("gemv_16x256_d4x256": its first rule's), for decode."""
+    ("gemv_t2": the two-token rule's; "gemv_16x256_d4x256": its first rule's), for decode."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
     from swiglu_patch.kernels.rules import EXPERTS_GEMV_CONFIG as GEMV
+    from swiglu_patch.kernels.rules import EXPERTS_GEMV_T2_CONFIG as GEMV_T2
 
     prefill = C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)
     return {
@@ -109,6 +110,7 @@ def sweep_configs() -> dict:
         "g128_256x64w8": ("experts_grouped", C(128, 128, 64, 256, 64, group_m=8, num_warps=8, num_stages=3)),
         "grouped": ("experts_grouped", None),
         "gemv": ("experts_gemv", GEMV),
+        "gemv_t2": ("experts_gemv", GEMV_T2),
         "gemv_16x256_d4x256": ("experts_gemv", C(1, 16, 256, 4, 256, num_warps=4, num_stages=1)),
         "gemv_d8x256": ("experts_gemv", replace(GEMV, down_block_n=8, down_block_k=256)),
         "gemv_16x128w2_d8x128w2": ("experts_gemv", replace(GEMV, block_n=16, num_warps=2, down_block_n=8,

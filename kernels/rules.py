@@ -236,6 +236,7 @@ MOE_BACKWARD_WGRAD_WS = ("h100/moe_train/wgrad_ws/results.json", "h100/moe_train
 MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws256/results.json")
 MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
 EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_warps=4)
+EXPERTS_GEMV_T2_CONFIG = EC(1, 16, 128, 1, 128, num_warps=2, num_stages=1, down_num_warps=4)
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV_TILES + MOE_GEMV,
          why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
@@ -245,7 +246,7 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "(docs/history.md); the first tiles (16x256, down 4x256, 4 warps) took 0.99-1.03x the grouped kernels' "
              "time. Weights with unit-stride rows only (its can_run): a transposed layout (gpt-oss) takes the "
              "grouped rules below"),
-    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(2, 2), i=(None, 1024), captured=False, sweep=MOE_GEMV_TILES + MOE_GEMV,
+    Rule("experts_gemv", EXPERTS_GEMV_T2_CONFIG, m=(2, 2), i=(None, 1024), sweep=MOE_GEMV_TILES + MOE_GEMV,
          why="two tokens in eager calls of small experts, where the host bounds the loop: eager calls back to back "
              "on the H100, 82 against the grouped kernels' 202 us (Qwen3-30B-A3B), 101 against 204 (Qwen3.5-35B-A3B), "
              "78 against 126 (OLMoE). Not captured calls (GPU time 1.02x on Qwen3-30B-A3B and OLMoE) nor larger "

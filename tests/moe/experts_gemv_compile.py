@@ -3,10 +3,11 @@ specializes them: run by `test_experts_gemv.py` in a process without TRITON_INTE
 interpreter specializes nothing, so an argument Triton turns into the constant 1 on the GPU, the
 interleaved layout's UP_SHIFT among them, is only exercised by compiling).
 
-    python experts_gemv_compile.py DTYPE LAYOUT HAS_BIAS OUT_DIR
+    python experts_gemv_compile.py DTYPE LAYOUT HAS_BIAS CONFIG OUT_DIR
 
-LAYOUT: "chunked" ([gate; up], UP_SHIFT = I) or "interleaved" (UP_SHIFT = 1). Writes gated.cubin
-and down.cubin to OUT_DIR and prints their kernel names.
+LAYOUT: "chunked" ([gate; up], UP_SHIFT = I) or "interleaved" (UP_SHIFT = 1). CONFIG: the name of
+an `ExpertsConfig` in `kernels/rules.py` (EXPERTS_GEMV_CONFIG, EXPERTS_GEMV_T2_CONFIG). Writes
+gated.cubin and down.cubin to OUT_DIR and prints their kernel names.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import triton
 
 
-def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -> dict:
-    """Both kernels compiled for sm_90a as the rule's launcher launches them on the Qwen3-30B-A3B
+def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool, config) -> dict:
+    """Both kernels compiled for sm_90a as a launcher of `config` launches them on the Qwen3-30B-A3B
     shape at T = 1 (K = K_out = 2048, I = 768, E = 128, top-8, contiguous tensors): {name: compiled}."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -28,7 +29,6 @@ def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -
     from swiglu_patch.kernels import experts_gemv as gemv
     from swiglu_patch.kernels.epilogue import GatedEpilogue
     from swiglu_patch.kernels.experts_reference import ExpertsEpilogue
-    from swiglu_patch.kernels.rules import EXPERTS_GEMV_CONFIG as config
 
     k, i, e, top_k = 2048, 768, 128, 8
     epilogue = dict(ExpertsEpilogue(GatedEpilogue("silu")).constexprs(), APPROX_TANH=True)
@@ -68,8 +68,11 @@ def compile_for_hopper(dtype: torch.dtype, concatenated: bool, has_bias: bool) -
 
 
 if __name__ == "__main__":
-    dtype_name, layout, has_bias, out_dir = sys.argv[1:5]
-    kernels = compile_for_hopper(getattr(torch, dtype_name), layout == "chunked", bool(int(has_bias)))
+    from swiglu_patch.kernels import rules
+
+    dtype_name, layout, has_bias, config_name, out_dir = sys.argv[1:6]
+    kernels = compile_for_hopper(getattr(torch, dtype_name), layout == "chunked", bool(int(has_bias)),
+                                 getattr(rules, config_name))
     for name, kernel in kernels.items():
         (Path(out_dir) / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         print(name, kernel.metadata.name)

@@ -156,14 +156,16 @@ def test_the_planner_gives_it_one_token_and_eager_two_token_calls(gpu):
 
 
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
+@pytest.mark.parametrize("config", ["EXPERTS_GEMV_CONFIG", "EXPERTS_GEMV_T2_CONFIG"])
 @pytest.mark.parametrize("layout, has_bias", [("chunked", "0"), ("interleaved", "1")])
-def test_both_kernels_compile_for_hopper_as_a_launch_specializes_them(layout, has_bias, tmp_path):
+def test_both_kernels_compile_for_hopper_as_a_launch_specializes_them(layout, has_bias, config, tmp_path):
     """The interpreter specializes no argument; the GPU turns ints equal to 1 (the interleaved layout's
-    UP_SHIFT, unit strides) into constants, so only a compile shows the kernels take them. No spills."""
+    UP_SHIFT, unit strides) into constants, so only a compile shows the kernels take them. No spills,
+    at each rule's tiles."""
     script = Path(__file__).with_name("experts_gemv_compile.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
-    run = subprocess.run([sys.executable, str(script), "bfloat16", layout, has_bias, str(tmp_path)], env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(script), "bfloat16", layout, has_bias, config, str(tmp_path)],
+                         env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     for name in ("gated", "down"):
         usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / f"{name}.cubin")], capture_output=True,
