@@ -222,8 +222,7 @@ BACKWARD_RULES: tuple[Rule, ...] = (
 # (geometric mean of time over the best config, per T range; uniform routing).
 MOE = ("h100/moe/sweep.json",)
 MOE_GATED_WS_PREACT = ("h100/moe/gated_ws_preact_handoff/results.json",)
-MOE_GEMV = ("h100/moe/gemv/results.json",)
-MOE_GEMV_TILES = ("h100/moe/gemv_tiles/results.json",)
+MOE_GEMV = ("h100/moe/gemv_tiles/results.json", "h100/moe/gemv_t2/results.json")
 MOE_DOWN_WS = ("h100/moe/down_ws/results.json", "h100/moe/down_ws_8192/results.json")
 MOE_GATED_WS = ("h100/moe/gated_ws/results.json", "h100/moe/gated_ws_rerun/results.json",
                 "h100/moe/gated_ws_preact/results.json", "h100/moe/gated_ws_preact_registers/results.json")
@@ -238,19 +237,21 @@ MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_trai
 EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_warps=4)
 EXPERTS_GEMV_T2_CONFIG = EC(1, 16, 128, 1, 128, num_warps=2, num_stages=1, down_num_warps=4)
 EXPERTS_RULES: tuple[Rule, ...] = (
-    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV_TILES + MOE_GEMV,
+    Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV,
          why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
              "allocations), and less GPU time too, so captured calls take it as well: under CUDA graphs on the H100 "
              "0.86-0.96x the grouped kernels' time on five shapes (Qwen3-30B-A3B 35.9 against 40.5 us, Qwen3.5-35B-A3B "
              "28.1 against 32.7, Mixtral-8x7B 239.7 against 249.8). Tiles: each kernel timed alone over 150 variants "
-             "(docs/history.md); the first tiles (16x256, down 4x256, 4 warps) took 0.99-1.03x the grouped kernels' "
+             "(docs/history.md); the first tiles (16x256, down 4x256, 4 warps) took 0.98-1.03x the grouped kernels' "
              "time. Weights with unit-stride rows only (its can_run): a transposed layout (gpt-oss) takes the "
              "grouped rules below"),
-    Rule("experts_gemv", EXPERTS_GEMV_T2_CONFIG, m=(2, 2), i=(None, 1024), sweep=MOE_GEMV_TILES + MOE_GEMV,
-         why="two tokens in eager calls of small experts, where the host bounds the loop: eager calls back to back "
-             "on the H100, 82 against the grouped kernels' 202 us (Qwen3-30B-A3B), 101 against 204 (Qwen3.5-35B-A3B), "
-             "78 against 126 (OLMoE). Not captured calls (GPU time 1.02x on Qwen3-30B-A3B and OLMoE) nor larger "
-             "experts (GLM-4.5-Air 1.12x, Mixtral 1.30x its GPU time, and the GPU bounds their loop)"),
+    Rule("experts_gemv", EXPERTS_GEMV_T2_CONFIG, m=(2, 2), i=(None, 1024), sweep=MOE_GEMV,
+         why="two tokens on experts of I <= 1024, on their own gated tiles (16x128 at 2 warps; the one-token "
+             "tiles took 1.05-1.06x their time on two shapes of three, 0.93x on Qwen3.5-35B-A3B): under CUDA "
+             "graphs on the H100 0.96-0.98x the grouped kernels' time (Qwen3-30B-A3B 56.8 against 59.3 us, "
+             "Qwen3.5-35B-A3B 50.3 against 51.2, OLMoE 74.0 against 75.7), eager calls back to back 0.39-0.43x "
+             "theirs. Larger experts keep the grouped kernels: GLM-4.5-Air (I = 1408) 1.12x, Mixtral 1.30x their "
+             "GPU time, and the GPU bounds those loops"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
              "1.014x at T = 4-8, 1.017x at T = 64"),
