@@ -5,8 +5,8 @@
 Op "experts" of `dispatch.OPS`; its rules are `rules.EXPERTS_RULES` (M is the block's tokens T,
 each rule a tile config), run by the kernel files "experts_grouped" (`experts_gemm.py`: the pairs
 sorted into per-expert blocks by `experts_routing`, two grouped GEMMs and a fixed-order
-combine) and, for one-token calls and eager two-token calls, "experts_gemv" (`experts_gemv.py`:
-two GEMV launches, the combine in the second). Every launch is asynchronous and needs no host
+combine) and, for calls of one token (and of two on small experts), "experts_gemv"
+(`experts_gemv.py`: two GEMV launches, the combine in the second). Every launch is asynchronous and needs no host
 synchronisation, so a call can be captured into a CUDA graph.
 `dispatch.explain(..., op="experts")` says which rule a call takes.
 """

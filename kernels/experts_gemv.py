@@ -4,8 +4,8 @@ Computes what `experts_gemm.py` computes (`experts_reference.py` has the math, l
 rounding) as two GEMV kernels that read top_k_index directly. At decode an eager call's host
 time is often what a generate loop waits for: the grouped path sorts the pairs into blocks,
 launches four kernels and allocates six tensors; this one launches two and allocates h. At one
-token it also takes less GPU time than the grouped kernels, so the rules give it captured calls
-of one token too (`rules.EXPERTS_RULES`).
+token (and at two on small experts) it also takes less GPU time than the grouped kernels, so the
+rules give it captured calls too (`rules.EXPERTS_RULES`).
 
 - `_experts_gated_gemv_kernel`, one program per (pair p = t * TOP_K + j, BLOCK_N columns of I):
   the BLOCK_N gate rows and BLOCK_N up rows of expert e = top_k_index[t, j] against x[t],
