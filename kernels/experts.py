@@ -6,8 +6,8 @@ Op "experts" of `dispatch.OPS`; its rules are `rules.EXPERTS_RULES` (M is the bl
 each rule a tile config), run by the kernel files "experts_grouped" (`experts_gemm.py`: the pairs
 sorted into per-expert blocks by `experts_routing`, two grouped GEMMs and a fixed-order
 combine) and, for calls of one token (and of two on small experts), "experts_gemv"
-(`experts_gemv.py`: two GEMV launches, the combine in the second). Every launch is asynchronous and needs no host
-synchronisation, so a call can be captured into a CUDA graph.
+(`experts_gemv.py`: two GEMV launches, the combine in the second). Every launch is asynchronous
+and needs no host synchronisation, so a call can be captured into a CUDA graph.
 `dispatch.explain(..., op="experts")` says which rule a call takes.
 """
 
@@ -109,4 +109,5 @@ def experts_forward(
     key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
     extras = (layout, gate_up_bias is not None, top_k_index.shape[1])
     return _launch(fn, "experts", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras,
-                   (x, gate_up, down, layout), (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out), kernel, config)
+                   (x, gate_up, down, layout),
+                   (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out), kernel, config)

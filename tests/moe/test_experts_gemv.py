@@ -1,7 +1,7 @@
 """The experts GEMV path (`kernels/experts_gemv.py`): what `test_experts_kernels.py` checks of every
 experts kernel, plus what is its own: slot counts that are not powers of 2, sizes off its tiles,
 a strided output, any T when forced, a CUDA graph of a one-token call replayed on fresh inputs, and
-the planner giving it one-token calls and eager two-token calls only.
+the planner giving it calls of one token, and of two on experts of I <= 1024, only.
 
 On CPU the kernels run in Triton's interpreter (fp32, fp16); on a GPU compiled, bf16 too. Each
 check draws fresh inputs, poisons the output and compares with float64 (`experts_forward_check.check_forward`).
@@ -132,7 +132,7 @@ def test_a_captured_one_token_call_replays_right_on_fresh_inputs(monkeypatch):
 
 
 @pytest.mark.parametrize("gpu", [H100, "NVIDIA A100-SXM4-80GB", "cpu"])
-def test_the_planner_gives_it_one_token_and_eager_two_token_calls(gpu):
+def test_the_planner_gives_it_one_token_calls_and_two_token_calls_of_small_experts(gpu):
     """Every one-token call, captured or not, at any I, and two-token calls on experts of I <= 1024
     (less GPU time than the grouped kernels as well as less host time; on larger experts the
     grouped kernels take less GPU time at two tokens); never more tokens, a call storing P or one
