@@ -78,12 +78,14 @@ def sweep_configs() -> dict:
     on 128x128 tiles at 4, and by the one-program-per-tile kernel (the Hopper rule from T = 4096 without it); "ws_preact":
     that rule with the gated GEMM of calls storing P warp-specialized too (`--preact`); "grouped": the grouped kernel
     at its rule's tiles for T; "gemv" and "gemv_*": the GEMV path (`experts_gemv.py`) at the rule's tiles and others
-    ("gemv_t2": the two-token rule's; "gemv_16x256_d4x256": its first rule's), for decode."""
+    ("gemv_t2": the two-token rule's; "gemv_16x256_d4x256": its first rule's), for decode; "gemv_transposed" and
+    "gemv_transposed_*": the transposed layout's GEMV path (`experts_gemv_transposed.py`) at its rule's tiles and others."""
     from dataclasses import replace
 
     from swiglu_patch.kernels.configs import ExpertsConfig as C
     from swiglu_patch.kernels.rules import EXPERTS_GEMV_CONFIG as GEMV
     from swiglu_patch.kernels.rules import EXPERTS_GEMV_T2_CONFIG as GEMV_T2
+    from swiglu_patch.kernels.rules import EXPERTS_GEMV_TRANSPOSED_CONFIG as GEMV_TRANSPOSED
 
     prefill = C(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3)
     return {
@@ -115,6 +117,9 @@ def sweep_configs() -> dict:
         "gemv_d8x256": ("experts_gemv", replace(GEMV, down_block_n=8, down_block_k=256)),
         "gemv_16x128w2_d8x128w2": ("experts_gemv", replace(GEMV, block_n=16, num_warps=2, down_block_n=8,
                                                            down_num_warps=2)),
+        "gemv_transposed": ("experts_gemv_transposed", GEMV_TRANSPOSED),
+        "gemv_transposed_64x64w4_d256x4s180w8": ("experts_gemv_transposed", replace(
+            GEMV_TRANSPOSED, block_n=64, block_k=64, num_warps=4, down_block_k=4, down_split_i=180, down_num_warps=8)),
     }
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
@@ -280,7 +285,8 @@ def run(args: argparse.Namespace) -> dict:
                     fns["liger"] = liger_fn(module, x, idx, w)
                 if args.sweep:
                     for name, (kernel, config) in sweep_configs().items():
-                        if args.sweep_configs is None or name in args.sweep_configs:
+                        if ((args.sweep_configs is None or name in args.sweep_configs)
+                                and _takes(kernel, module, x)):  # the GEMVs read one weight layout each
                             fns[f"ours[{name}]"] = ours_fn(module, x, idx, w, kernel, config, args.preact)
                 row = {"shape": shape.name, "routing": kind, "tokens": tokens, "errors": {}, "us": {}, "modes": {}}
                 check = min(tokens, args.check_rows)
@@ -313,6 +319,13 @@ def run(args: argparse.Namespace) -> dict:
             "preact": args.preact,
             "matmul_peak_tflops": peak / 1e12, "timer": None if dry else timer.describe(),
             "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
+
+
+def _takes(kernel: str, module, x) -> bool:
+    """Whether the experts kernel can run the module's weights (its file's `can_run`)."""
+    from swiglu_patch.kernels.dispatch import MODULES
+
+    return MODULES[kernel].can_run(x, module.gate_up_proj, module.down_proj, layout_of(module).layout)
 
 
 def _has_liger() -> bool:

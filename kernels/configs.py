@@ -118,6 +118,9 @@ class ExpertsConfig:
         num_warps, num_stages: Triton's launch parameters.
         down_num_warps: the GEMV's down kernel's warps (`experts_gemv.py`), where they differ from
             its gated kernel's num_warps (None: num_warps); the grouped kernels do not read it.
+        down_split_i: rows of I each down program of the transposed GEMV sums
+            (`experts_gemv_transposed.py`: partial sums over I, then a combine launch); None: all
+            of I in one program. Only that kernel reads it.
         warp_specialized: on Hopper, run the gated GEMM of calls that store no P as the
             warp-specialized kernel (`experts_gated_ws.py`: the same block_m x (2 x block_n)
             tiles stepping block_k over K, h's stores beside the next tile's MMAs) where it can
@@ -152,6 +155,7 @@ class ExpertsConfig:
     down_ws_stages: int = 3
     down_ws_registers: tuple[int, int] = (96, 96)
     down_num_warps: int | None = None
+    down_split_i: int | None = None
 
     def short(self) -> str:
         """e.g. "64x(2*128)x64, down 128x64, g8 w8 s3" (" ws s3", " ws-preact 64s4", down's " ws 256x64s3" where
@@ -161,7 +165,8 @@ class ExpertsConfig:
             ws += f" ws-preact {self.ws_preact_block_k}s{self.ws_preact_stages}"
         down_ws = (f" ws {self.down_ws_block_n}x{self.down_ws_block_k}s{self.down_ws_stages}"
                    if self.down_warp_specialized else "")
-        down_w = "" if self.down_num_warps is None else f" w{self.down_num_warps}"
+        down_w = ("" if self.down_num_warps is None else f" w{self.down_num_warps}") + (
+            "" if self.down_split_i is None else f" split {self.down_split_i}")
         return (f"{self.block_m}x(2*{self.block_n})x{self.block_k}, down {self.down_block_n}x{self.down_block_k}"
                 f"{down_w}{down_ws}, g{self.group_m} w{self.num_warps} s{self.num_stages}{ws}")
 
@@ -183,6 +188,8 @@ class KernelCapability:
             never under the interpreter.
         unit_stride_rows: reads each weight row as one contiguous vector (the experts GEMV): the
             weights' reduction axis must have unit stride, which only `can_run` sees (a layout).
+        unit_stride_columns: reads weight tiles contiguous along the output axis (the transposed
+            experts GEMV): that axis must have unit stride, which only `can_run` sees.
     """
 
     name: str
@@ -193,11 +200,13 @@ class KernelCapability:
     one_token: bool = False
     gpu_only: bool = False
     unit_stride_rows: bool = False
+    unit_stride_columns: bool = False
 
     @property
     def runs_every_call(self) -> bool:
         """Needs nothing of the tensors: the planner skips its `can_run`."""
-        return not (self.tma or self.one_token or self.gpu_only or self.unit_stride_rows) and self.dtypes == ALL_DTYPES
+        return (not (self.tma or self.one_token or self.gpu_only or self.unit_stride_rows or self.unit_stride_columns)
+                and self.dtypes == ALL_DTYPES)
 
     def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True, on_gpu: bool = True) -> bool:
         """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
@@ -217,4 +226,6 @@ class KernelCapability:
             return f"M == 1 and I % {GATE_UP_BLOCK} == 0"
         if self.unit_stride_rows:
             return "weights with unit stride along their reduction axis (gate_up [E, 2I, K], down [E, K_out, I])"
+        if self.unit_stride_columns:
+            return "transposed weights with unit stride along their output axis (gate_up [E, K, 2I], down [E, I, K_out])"
         return "floating-point tensors in " + "/".join(str(d).replace("torch.", "") for d in self.dtypes)

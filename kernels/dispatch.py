@@ -31,8 +31,9 @@ import dataclasses
 
 import torch
 
-from . import (experts_backward_gemm, experts_gemm, experts_gemv, gated_backward_pointer, gated_backward_split,
-               gated_backward_tma, gated_backward_ws, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
+from . import (experts_backward_gemm, experts_gemm, experts_gemv, experts_gemv_transposed, gated_backward_pointer,
+               gated_backward_split, gated_backward_tma, gated_backward_ws, gated_gemm_pointer, gated_gemm_tma,
+               gated_gemm_tma_grid, gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
 from .device import capability, gpu_name, interpreting
 from .epilogue import GatedEpilogue
@@ -41,8 +42,8 @@ from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank
 from .rules import DEFAULT_CONFIGS, TABLES, Rule
 
 _KERNEL_FILES = (gated_gemv, gated_gemm_pointer, gated_gemm_tma_grid, gated_gemm_tma, gated_backward_pointer,
-                 gated_backward_tma, gated_backward_ws, gated_backward_split, experts_gemv, experts_gemm,
-                 experts_backward_gemm)
+                 gated_backward_tma, gated_backward_ws, gated_backward_split, experts_gemv, experts_gemv_transposed,
+                 experts_gemm, experts_backward_gemm)
 MODULES = {module.CAPABILITY.name: module for module in _KERNEL_FILES}  # kernel name -> its file
 OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABLES, features its kernel needs)
     "forward": ("forward", frozenset()),

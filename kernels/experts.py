@@ -6,7 +6,9 @@ Op "experts" of `dispatch.OPS`; its rules are `rules.EXPERTS_RULES` (M is the bl
 each rule a tile config), run by the kernel files "experts_grouped" (`experts_gemm.py`: the pairs
 sorted into per-expert blocks by `experts_routing`, two grouped GEMMs and a fixed-order
 combine) and, for calls of one token (and of two on small experts), "experts_gemv"
-(`experts_gemv.py`: two GEMV launches, the combine in the second). Every launch is asynchronous
+(`experts_gemv.py`: two GEMV launches, the combine in the second); eager one-token calls on
+transposed weights (gpt-oss), "experts_gemv_transposed" (`experts_gemv_transposed.py`: three
+launches). Every launch is asynchronous
 and needs no host synchronisation, so a call can be captured into a CUDA graph.
 `dispatch.explain(..., op="experts")` says which rule a call takes.
 """
@@ -21,7 +23,7 @@ from .dispatch import _call_key, _launch
 from .experts_reference import ExpertsEpilogue, ExpertsLayout
 from .operands import BF16_INTERPRETER, resolve_approx_tanh
 
-EXPERTS_KERNELS = ("experts_gemv", "experts_grouped")
+EXPERTS_KERNELS = ("experts_gemv", "experts_gemv_transposed", "experts_grouped")
 
 
 def check_experts_operands(fn: str, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias,

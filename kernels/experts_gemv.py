@@ -17,13 +17,14 @@ rules give it captured calls too (`rules.EXPERTS_RULES`).
   2) of Wd[e_j]'s rows times h[t * TOP_K + j], stepping BLOCK_K over I and reduced once; per
   slot y_j = w[t, j] * (sum + bd[e_j]) rounded to x's dtype, as the grouped down GEMM rounds it;
   then out[t] = sum of y_j over the slots in order, in fp32, rounded once (the grouped path's
-  combine, in registers). Sentinel slots add nothing.
+  combine, in registers: `experts_jit.combine_slots`). Sentinel slots add nothing.
 
 No tensor cores and no shared memory: a pair's rows are a matrix-vector product, and many small
 programs per SM keep the weight's bytes in flight as a pure read does. So the weights' rows must
 be contiguous along the reduction axis (`can_run`: gate_up [E, 2I, K] and down [E, K_out, I] with
 unit inner strides, chunked or interleaved gate/up, any other strides); a transposed layout
-(gpt-oss) runs on the grouped kernels. Biases, every epilogue, any dtype the interpreter or the
+(gpt-oss) has its own GEMV, `experts_gemv_transposed.py`, which shares this file's launcher of
+the gated kernel (`gated_launcher`). Biases, every epilogue, any dtype the interpreter or the
 GPU takes, any strides of x, the routing tensors and out. No pre-activation store and no
 low-rank segment: the planner gives this file plain inference calls only (`CAPABILITY`).
 """
@@ -34,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .configs import ExpertsConfig, KernelCapability, ceil_div
-from .experts_jit import experts_epilogue
+from .experts_jit import combine_slots, experts_epilogue
 from .launcher import FastLaunch
 
 
@@ -120,17 +121,8 @@ def _experts_down_combine_kernel(
         acc += wd * hv[:, None, :]
         h_ptrs += BLOCK_K
         d_ptrs += BLOCK_K * stride_di
-    part = tl.sum(acc, axis=2)  # [SLOTS, BLOCK_N]
-    if HAS_BIAS:
-        part += tl.load(db_ptr + expert[:, None] * stride_dbe + offs_n[None, :] * stride_dbn,
-                        mask=real[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    weight = tl.load(rw_ptr + token * stride_rt + slot * stride_rj, mask=real, other=0.0).to(tl.float32)
-    y = (part * weight[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded per pair, as the grouped y
-    y = tl.where(real[:, None], y, 0.0)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):  # slots in order: the combine's fixed summation order
-        total += tl.sum(tl.where(slot[:, None] == j, y, 0.0), axis=0)
-    tl.store(out_ptr + token * stride_om + offs_n * stride_on, total.to(out_ptr.dtype.element_ty), mask=mask_n)
+    combine_slots(tl.sum(acc, axis=2), token, slot, expert, real, offs_n, mask_n, rw_ptr, db_ptr, out_ptr,
+                  stride_rt, stride_rj, stride_dbe, stride_dbn, stride_om, stride_on, TOP_K, HAS_BIAS, BLOCK_N)
 
 
 CAPABILITY = KernelCapability("experts_gemv", ops=("experts",), unit_stride_rows=True)
@@ -142,6 +134,30 @@ def can_run(x, gate_up, down, layout) -> bool:
     return layout.gate_up_strides(gate_up)[2] == 1 and layout.down_strides(down)[2] == 1
 
 
+def gated_launcher(gated_kernel, config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
+    """A launcher `(x [T, K], top_k_index [T, TOP_K], gate_up, gate_up_bias or None) -> h
+    [T * TOP_K, I]` (x's dtype, allocated) of a gated GEMV kernel taking `_experts_gated_gemv_kernel`'s
+    arguments (`experts_gemv_transposed.py` passes its own): config.block_n columns of I and
+    config.block_k steps along K per program, config.num_warps and num_stages."""
+    gated = FastLaunch(gated_kernel, dict(
+        TOP_K=top_k, GATE_STEP=1 if layout.concatenated else 2, HAS_BIAS=has_bias, **epilogue,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages))
+    transposed, concatenated = layout.transposed, layout.concatenated
+
+    def launch(x, top_k_index, gate_up, gate_up_bias):
+        tokens, k = x.shape
+        inter = gate_up.shape[1 + transposed] >> 1
+        h = x.new_empty((tokens * top_k, inter))
+        bias = gate_up if gate_up_bias is None else gate_up_bias  # not read without HAS_BIAS
+        column_blocks = ceil_div(inter, config.block_n)
+        gated(tokens * top_k * column_blocks, x.get_device(), x, top_k_index, gate_up, bias, h,
+              k, inter, inter if concatenated else 1, gate_up.shape[0], column_blocks, *x.stride(),
+              *top_k_index.stride(), *layout.gate_up_strides(gate_up), bias.stride(0), bias.stride(1), h.stride(0))
+        return h
+
+    return launch
+
+
 def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool, top_k: int):
     """A launcher `(x [T, K], top_k_index [T, TOP_K], top_k_weights [T, TOP_K], gate_up, down,
     gate_up_bias or None, down_bias or None, out [T, K_out]) -> out` for one (config, epilogue
@@ -151,31 +167,20 @@ def make_launcher(config: ExpertsConfig, epilogue: dict, layout, has_bias: bool,
     config: block_n columns of I and block_k steps along K per gated program; down_block_n rows
     of K_out and down_block_k steps along I per down program (each step a [SLOTS, down_block_n,
     down_block_k] tile); num_warps (the gated kernel's) and down_num_warps (the down kernel's,
-    None: num_warps); block_m, group_m and num_stages are not used."""
-    gated = FastLaunch(_experts_gated_gemv_kernel, dict(
-        TOP_K=top_k, GATE_STEP=1 if layout.concatenated else 2, HAS_BIAS=has_bias, **epilogue,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=1))
+    None: num_warps); num_stages (the gated kernel's software pipelining); block_m and group_m
+    are not used."""
+    gated = gated_launcher(_experts_gated_gemv_kernel, config, epilogue, layout, has_bias, top_k)
     down_combine = FastLaunch(_experts_down_combine_kernel, dict(
         TOP_K=top_k, SLOTS=1 << (top_k - 1).bit_length(), HAS_BIAS=has_bias, BLOCK_N=config.down_block_n,
         BLOCK_K=config.down_block_k, num_warps=config.down_num_warps or config.num_warps, num_stages=1))
-    transposed, concatenated = layout.transposed, layout.concatenated
 
     def launch(x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out):
-        tokens, k = x.shape
-        num_experts = gate_up.shape[0]
-        inter = gate_up.shape[1 + transposed] >> 1
+        h = gated(x, top_k_index, gate_up, gate_up_bias)
         k_out = out.shape[1]
-        device = x.get_device()
-        h = x.new_empty((tokens * top_k, inter))
-        bias = gate_up if gate_up_bias is None else gate_up_bias  # not read without HAS_BIAS
-        dbias = down if down_bias is None else down_bias
-        column_blocks = ceil_div(inter, config.block_n)
-        gated(tokens * top_k * column_blocks, device, x, top_k_index, gate_up, bias, h,
-              k, inter, inter if concatenated else 1, num_experts, column_blocks, *x.stride(), *top_k_index.stride(),
-              *layout.gate_up_strides(gate_up), bias.stride(0), bias.stride(1), h.stride(0))
+        dbias = down if down_bias is None else down_bias  # not read without HAS_BIAS
         row_blocks = ceil_div(k_out, config.down_block_n)
-        down_combine(tokens * row_blocks, device, h, top_k_index, top_k_weights, down, dbias, out,
-                     inter, k_out, num_experts, row_blocks, h.stride(0), *top_k_index.stride(),
+        down_combine(x.shape[0] * row_blocks, x.get_device(), h, top_k_index, top_k_weights, down, dbias, out,
+                     h.shape[1], k_out, down.shape[0], row_blocks, h.stride(0), *top_k_index.stride(),
                      *top_k_weights.stride(), *layout.down_strides(down), dbias.stride(0), dbias.stride(1),
                      *out.stride())
         return out

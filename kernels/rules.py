@@ -236,6 +236,8 @@ MOE_BACKWARD_DX_WS = ("h100/moe_train/dx_ws/results.json", "h100/moe_train/dx_ws
 MOE_BACKWARD_DH_WS_256 = ("h100/moe_train/dh_ws256/results.json", "h100/moe_train/dh_ws256_small_t/results.json")
 EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_warps=4)
 EXPERTS_GEMV_T2_CONFIG = EC(1, 16, 128, 1, 128, num_warps=2, num_stages=1, down_num_warps=4)
+EXPERTS_GEMV_TRANSPOSED_CONFIG = EC(1, 32, 64, 256, 8, num_warps=8, num_stages=1, down_num_warps=4, down_split_i=96)
+MOE_GEMV_TRANSPOSED = ("h100/moe/gemv_transposed/results.json",)
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV,
          why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
@@ -244,7 +246,7 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "28.1 against 32.7, Mixtral-8x7B 239.7 against 249.8). Tiles: each kernel timed alone over 150 variants "
              "(docs/history.md); the first tiles (16x256, down 4x256, 4 warps) took 0.98-1.03x the grouped kernels' "
              "time. Weights with unit-stride rows only (its can_run): a transposed layout (gpt-oss) takes the "
-             "grouped rules below"),
+             "transposed GEMV's rule (eager calls) or the grouped rules below"),
     Rule("experts_gemv", EXPERTS_GEMV_T2_CONFIG, m=(2, 2), i=(None, 1024), sweep=MOE_GEMV,
          why="two tokens on experts of I <= 1024, on their own gated tiles (16x128 at 2 warps; the one-token "
              "tiles took 1.05-1.06x their time on two shapes of three, 0.93x on Qwen3.5-35B-A3B): under CUDA "
@@ -252,6 +254,14 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "Qwen3.5-35B-A3B 50.3 against 51.2, OLMoE 74.0 against 75.7), eager calls back to back 0.39-0.43x "
              "theirs. Larger experts keep the grouped kernels: GLM-4.5-Air (I = 1408) 1.12x, Mixtral 1.30x their "
              "GPU time, and the GPU bounds those loops"),
+    Rule("experts_gemv_transposed", EXPERTS_GEMV_TRANSPOSED_CONFIG, m=(None, 1), captured=False,
+         sweep=MOE_GEMV_TRANSPOSED,
+         why="one token on transposed weights (gpt-oss), eager calls: three launches and two allocations against the "
+             "grouped path's four and six, so an eager decode loop waits less on the host: on the H100 calls back "
+             "to back took 0.78-0.83x the grouped kernels' time on gpt-oss-20b. Captured calls keep the grouped "
+             "kernels, which take less GPU time (83.1 against 85.7 us under CUDA graphs). Tiles: gated 32x64 at 8 "
+             "warps, down 256 columns of K_out x 8 rows of I over 96 rows of I per program (the split gives the "
+             "read its programs), 4 warps; the best of 75 gated and 150 down variants each timed alone"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
              "1.014x at T = 4-8, 1.017x at T = 64"),
@@ -322,6 +332,7 @@ DEFAULT_CONFIGS: dict[str, C] = {
     "backward_split": next(r.config for r in BACKWARD_RULES if r.kernel == "backward_split"),
     "backward_ws": WS_CONFIG,
     "experts_gemv": EXPERTS_GEMV_CONFIG,  # at any T, not only the eager decode its rule covers
+    "experts_gemv_transposed": EXPERTS_GEMV_TRANSPOSED_CONFIG,
 }
 
 # The planner's tables, by the op they choose for (a `KernelCapability.ops` entry). A new op family

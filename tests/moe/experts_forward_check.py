@@ -18,7 +18,7 @@ __all__ = ["DEVICE", "DTYPES", "EPILOGUES", "EPS", "LAYOUTS", "check_forward", "
 EPS = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
-def check_forward(x, index, weights, w, epilogue, layout, kernel, dtype):
+def check_forward(x, index, weights, w, epilogue, layout, kernel, dtype, config=None):
     gate_up, down, gate_up_bias, down_bias = w
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     ref = experts_reference(x.double(), index, weights.double(), f64(gate_up), f64(down), epilogue, layout,
@@ -27,7 +27,7 @@ def check_forward(x, index, weights, w, epilogue, layout, kernel, dtype):
                                           down_bias), ref)
     out = torch.full((x.shape[0], ref.shape[1]), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
     experts_forward(x, index, weights, gate_up, down, epilogue, layout, gate_up_bias, down_bias, kernel=kernel,
-                    out=out)
+                    config=config, out=out)
     assert not out.isnan().any(), "an output element was not written"
     err = rel_err(out, ref)
     assert err <= 2 * torch_err + EPS[dtype], f"error {err:.3g} vs torch's own {torch_err:.3g} ({dtype})"

@@ -76,9 +76,11 @@ def test_an_eager_decode_call_launches_two_kernels(monkeypatch):
     assert len(launched) == 4 and "_experts_gated_gemv_kernel" not in launched
 
 
-def test_weights_strided_along_their_rows_go_to_the_grouped_kernels(monkeypatch):
-    """A transposed layout (gpt-oss) reads K and I with a stride: auto runs the grouped path, and
-    naming the GEMV is an error that says what it needs and the fix."""
+def test_weights_strided_along_their_rows_go_to_the_transposed_gemv(monkeypatch):
+    """A transposed layout (gpt-oss) reads K and I with a stride: an eager one-token auto call runs
+    the transposed GEMV's three kernels (`experts_gemv_transposed.py`), two tokens the grouped
+    path; naming the GEMV is an error that says what it needs and the fix, and naming the
+    transposed GEMV on untransposed weights is one too."""
     launched = []
     call = launcher.FastLaunch.__call__
     monkeypatch.setattr(launcher.FastLaunch, "__call__",
@@ -89,9 +91,18 @@ def test_weights_strided_along_their_rows_go_to_the_grouped_kernels(monkeypatch)
     x = torch.randn(1, 32).to(DEVICE, dtype)
     index, weights = routing(1, 4, 2)
     check_forward(x, index, weights, w, EPILOGUES["gpt_oss"], layout, "auto", dtype)
-    assert "_experts_gated_gemv_kernel" not in launched and len(launched) == 4
+    assert launched == ["_experts_gated_gemv_t_kernel", "_experts_down_t_partial_kernel",
+                        "_experts_down_t_combine_kernel"]
+    launched.clear()
+    x2, (index2, weights2) = torch.randn(2, 32).to(DEVICE, dtype), routing(2, 4, 2)
+    check_forward(x2, index2, weights2, w, EPILOGUES["gpt_oss"], layout, "auto", dtype)
+    assert len(launched) == 4 and not any("gemv" in name for name in launched)
     with pytest.raises(ValueError, match="unit stride along their reduction axis.*kernel='auto'"):
         experts_forward(x, index, weights, *w[:2], EPILOGUES["gpt_oss"], layout, *w[2:], kernel="experts_gemv")
+    chunked = expert_weights(4, 32, 16, LAYOUTS[0], False, dtype)
+    with pytest.raises(ValueError, match="unit stride along their output axis.*kernel='auto'"):
+        experts_forward(x, index, weights, *chunked[:2], EPILOGUES["silu"], LAYOUTS[0],
+                        kernel="experts_gemv_transposed")
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
@@ -155,19 +166,25 @@ def test_the_planner_gives_it_one_token_calls_and_two_token_calls_of_small_exper
     assert "experts_grouped" in text.split("CHOSEN")[0].splitlines()[-1]
 
 
+COMPILED = [(layout, bias, config) for config in ("EXPERTS_GEMV_CONFIG", "EXPERTS_GEMV_T2_CONFIG")
+            for layout, bias in (("chunked", "0"), ("interleaved", "1"))]
+COMPILED += [("transposed", bias, "EXPERTS_GEMV_TRANSPOSED_CONFIG") for bias in ("0", "1")]
+
+
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")
-@pytest.mark.parametrize("config", ["EXPERTS_GEMV_CONFIG", "EXPERTS_GEMV_T2_CONFIG"])
-@pytest.mark.parametrize("layout, has_bias", [("chunked", "0"), ("interleaved", "1")])
-def test_both_kernels_compile_for_hopper_as_a_launch_specializes_them(layout, has_bias, config, tmp_path):
+@pytest.mark.parametrize("layout, has_bias, config", COMPILED)
+def test_the_kernels_compile_for_hopper_as_a_launch_specializes_them(layout, has_bias, config, tmp_path):
     """The interpreter specializes no argument; the GPU turns ints equal to 1 (the interleaved layout's
-    UP_SHIFT, unit strides) into constants, so only a compile shows the kernels take them. No spills,
-    at each rule's tiles."""
+    UP_SHIFT, unit strides, a single split of I) into constants, so only a compile shows the kernels
+    take them. No spills, at each rule's tiles; the transposed GEMV's three kernels too."""
     script = Path(__file__).with_name("experts_gemv_compile.py")
     env = dict(os.environ, TRITON_INTERPRET="0")
     run = subprocess.run([sys.executable, str(script), "bfloat16", layout, has_bias, config, str(tmp_path)],
                          env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
-    for name in ("gated", "down"):
+    names = ("gated", "down", "combine") if layout == "transposed" else ("gated", "down")
+    assert sorted(p.stem for p in tmp_path.glob("*.cubin")) == sorted(names)
+    for name in names:
         usage = subprocess.run([CUOBJDUMP, "-res-usage", str(tmp_path / f"{name}.cubin")], capture_output=True,
                                text=True, check=True).stdout
         assert " STACK:0 " in usage and " LOCAL:0 " in usage, (name, usage)

@@ -19,9 +19,20 @@ from swiglu_patch.kernels.experts_routing import capacity, expert_blocks, expert
 from swiglu_patch.kernels.rules import EXPERTS_RULES
 
 
-# Each kernel with the layouts it takes (the GEMV reads weight rows along a unit stride: not transposed ones).
-KERNEL_LAYOUTS = [(k, layout) for k in EXPERTS_KERNELS for layout in LAYOUTS
-                  if k != "experts_gemv" or not layout.transposed]
+
+
+def takes(kernel: str, layout) -> bool:
+    """Whether the kernel reads this layout: the GEMV reads weight rows along a unit stride (not
+    transposed ones), the transposed GEMV tiles contiguous along the output axis (transposed only)."""
+    return {"experts_gemv": not layout.transposed, "experts_gemv_transposed": layout.transposed}.get(kernel, True)
+
+
+def plain_layout(kernel: str):
+    """The first of LAYOUTS the kernel takes: chunked [E, 2I, K], or gpt-oss's for the transposed GEMV."""
+    return next(layout for layout in LAYOUTS if takes(kernel, layout))
+
+
+KERNEL_LAYOUTS = [(k, layout) for k in EXPERTS_KERNELS for layout in LAYOUTS if takes(k, layout)]
 
 
 @pytest.mark.parametrize("kernel, layout", KERNEL_LAYOUTS, ids=lambda v: v if isinstance(v, str) else v.describe())
@@ -40,7 +51,7 @@ def test_layouts_and_bias_against_float64(kernel, dtype, layout):
 def test_every_epilogue_at_large_magnitudes(kernel, name):
     """Inputs of scale 6 cross the clamps; gpt-oss on its own interleaved, transposed layout (untransposed
     for the GEMV)."""
-    layout = (LAYOUTS[3] if kernel == "experts_gemv" else LAYOUTS[1]) if name == "gpt_oss" else LAYOUTS[0]
+    layout = (LAYOUTS[3] if kernel == "experts_gemv" else LAYOUTS[1]) if name == "gpt_oss" else plain_layout(kernel)
     dtype = torch.float32
     w = expert_weights(6, 48, 32, layout, name == "gpt_oss", dtype)
     x = (torch.randn(9, 48) * 6.0).to(DEVICE, dtype)
@@ -51,22 +62,24 @@ def test_every_epilogue_at_large_magnitudes(kernel, name):
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 @pytest.mark.parametrize("skew", ["one_expert", "empty_expert"])
 def test_all_tokens_on_one_expert_and_an_expert_with_none(kernel, skew):
-    dtype = torch.float16
-    w = expert_weights(4, 32, 16, LAYOUTS[0], True, dtype)
+    dtype, layout = torch.float16, plain_layout(kernel)
+    w = expert_weights(4, 32, 16, layout, True, dtype)
     x = torch.randn(37, 32).to(DEVICE, dtype)
     index, weights = routing(37, 4, 2, skew)
-    check_forward(x, index, weights, w, EPILOGUES["silu"], LAYOUTS[0], kernel, dtype)
+    check_forward(x, index, weights, w, EPILOGUES["silu"], layout, kernel, dtype)
 
 
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 def test_non_contiguous_inputs(kernel):
     dtype = torch.float32
-    layout = LAYOUTS[0]
+    layout = plain_layout(kernel)
     gate_up, down, gb, db = expert_weights(4, 32, 16, layout, True, dtype)
-    padded = torch.zeros(4, 32, 16 + 8, dtype=dtype, device=DEVICE)
-    down = padded[..., :16].copy_(down)  # rows 24 apart (the GEMV reads rows along their unit stride)
+    padded = torch.zeros(*down.shape[:2], down.shape[2] + 8, dtype=dtype, device=DEVICE)
+    down = padded[..., :down.shape[2]].copy_(down)  # rows 8 elements apart from their neighbours' ends
     if kernel == "experts_grouped":
         gate_up = gate_up.transpose(1, 2).contiguous().transpose(1, 2)  # same values, K strided
+    elif kernel == "experts_gemv_transposed":  # columns along a unit stride, rows of gate_up padded too
+        gate_up = torch.zeros(4, 32, 2 * 16 + 8, dtype=dtype, device=DEVICE)[..., :2 * 16].copy_(gate_up)
     x = torch.randn(22, 64).to(DEVICE, dtype)[::2, ::2]
     index, weights = routing(11, 4, 2)
     index = torch.cat([index, index], dim=1)[:, ::2]
@@ -77,17 +90,17 @@ def test_non_contiguous_inputs(kernel):
 @pytest.mark.parametrize("kernel", EXPERTS_KERNELS)
 def test_expert_parallel_sentinels_add_nothing(kernel):
     """Ids >= E (transformers' EP: slots another rank owns) contribute nothing, as in grouped_mm."""
-    dtype = torch.float32
-    w = expert_weights(4, 32, 16, LAYOUTS[0], True, dtype)
+    dtype, layout = torch.float32, plain_layout(kernel)
+    w = expert_weights(4, 32, 16, layout, True, dtype)
     x = torch.randn(9, 32).to(DEVICE, dtype)
     index, weights = routing(9, 4, 2)
     index[::2, 1] = 4  # the sentinel
     index[3, :] = 7  # a token with no local expert at all
     out = torch.full((9, 32), float("nan"), dtype=dtype, device=DEVICE)
-    experts_forward(x, index, weights, *w[:2], EPILOGUES["silu"], LAYOUTS[0], *w[2:], kernel=kernel, out=out)
+    experts_forward(x, index, weights, *w[:2], EPILOGUES["silu"], layout, *w[2:], kernel=kernel, out=out)
     kept = index < 4
     ref = experts_reference(x.double(), torch.where(kept, index, 4), weights.double(), *(t.double() for t in w[:2]),
-                            EPILOGUES["silu"], LAYOUTS[0], *(t.double() for t in w[2:]))
+                            EPILOGUES["silu"], layout, *(t.double() for t in w[2:]))
     assert torch.equal(out[3], torch.zeros_like(out[3]))
     assert rel_err(out, ref) < 1e-5
 
@@ -135,7 +148,7 @@ def test_bad_operands_name_the_fix():
 def test_every_rules_tile_against_float64(rule):
     """Each rule's config, whatever T the planner gives it, on a call whose experts get 0 to 40 rows."""
     dtype = torch.float16
-    for layout in (LAYOUTS[0], LAYOUTS[3]) if rule.kernel == "experts_gemv" else LAYOUTS[:2]:
+    for layout in [layout for layout in LAYOUTS if takes(rule.kernel, layout)][:2]:
         w = expert_weights(6, 72, 40, layout, True, dtype)
         x = torch.randn(45, 72).to(DEVICE, dtype)
         index, weights = routing(45, 6, 2, "empty_expert")
