@@ -257,11 +257,14 @@ EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv_transposed", EXPERTS_GEMV_TRANSPOSED_CONFIG, m=(None, 1), captured=False,
          sweep=MOE_GEMV_TRANSPOSED,
          why="one token on transposed weights (gpt-oss), eager calls: three launches and two allocations against the "
-             "grouped path's four and six, so an eager decode loop waits less on the host: on the H100 calls back "
-             "to back took 0.78-0.83x the grouped kernels' time on gpt-oss-20b. Captured calls keep the grouped "
-             "kernels, which take less GPU time (83.1 against 85.7 us under CUDA graphs). Tiles: gated 32x64 at 8 "
-             "warps, down 256 columns of K_out x 8 rows of I over 96 rows of I per program (the split gives the "
-             "read its programs), 4 warps; the best of 75 gated and 150 down variants each timed alone"),
+             "grouped path's four and six, so an eager decode loop waits less on the host: on the H100, gpt-oss-20b "
+             "calls back to back, each kernel named, took 128 us against the grouped kernels' 210, host time from "
+             "idle 145 against 240; HF generate at batch 1 (8 layers) 0.875x the time. Captured calls keep the "
+             "grouped kernels, which take less GPU time (83.2 against 85.8 us under CUDA graphs); two tokens too, "
+             "where the GPU bounds the loop (grouped: 157 us a call back to back, 150 in a graph) and the GEMV takes "
+             "1.08x their GPU time. Tiles: gated 32x64 at 8 warps, "
+             "down 256 columns of K_out x 8 rows of I over 96 rows of I per program (the split gives the read its "
+             "programs), 4 warps: the best of 75 gated and 150 down variants each timed alone (docs/history.md)"),
     Rule("experts_grouped", EC(16, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=4), m=(None, 64), sweep=MOE,
          why="few rows per expert (weight-bandwidth bound): 16-row blocks; 1.015x the best of 17 configs at T = 1, "
              "1.014x at T = 4-8, 1.017x at T = 64"),
