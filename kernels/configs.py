@@ -208,11 +208,15 @@ class KernelCapability:
         return (not (self.tma or self.one_token or self.gpu_only or self.unit_stride_rows or self.unit_stride_columns)
                 and self.dtypes == ALL_DTYPES)
 
-    def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True, on_gpu: bool = True) -> bool:
+    def runs(self, dtype: torch.dtype, m: int, i: int, tma_aligned: bool = True, on_gpu: bool = True,
+             transposed: bool = False) -> bool:
         """Whether it can run a call, decided without tensors (tma_aligned: whether they meet TMA's
-        alignment; on_gpu: CUDA tensors outside the interpreter); `can_run` in its file decides the
+        alignment; on_gpu: CUDA tensors outside the interpreter; transposed: experts' weights in the
+        transposed layout, gpt-oss's, with unit-stride columns); `can_run` in its file decides the
         same on the tensors."""
         if dtype not in self.dtypes or (self.gpu_only and not on_gpu):
+            return False
+        if (self.unit_stride_rows and transposed) or (self.unit_stride_columns and not transposed):
             return False
         if self.one_token and (m != 1 or i % GATE_UP_BLOCK):
             return False

@@ -403,7 +403,7 @@ def refusal(gpu: str, dtype: torch.dtype) -> str | None:
     return BF16_INTERPRETER if gpu == "cpu" and dtype == torch.bfloat16 else None
 
 
-def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op):
+def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed=False):
     """(the call key, [(index, rule, why not or None)] up to the chosen rule, which comes last)."""
     if op not in OPS:
         raise ValueError(f"explain: op must be one of {tuple(OPS)}, got {op!r}")
@@ -417,7 +417,7 @@ def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op):
         cap = MODULES[rule.kernel].CAPABILITY
         lacks = _lacks(rule.kernel, op)
         why_not = f"the {rule.kernel} kernel {lacks}" if lacks else mismatch(rule, key)
-        if why_not is None and not cap.runs(dtype, m, i, tma_aligned, on_gpu=gpu != "cpu"):
+        if why_not is None and not cap.runs(dtype, m, i, tma_aligned, on_gpu=gpu != "cpu", transposed=transposed):
             why_not = f"matches, but the {rule.kernel} kernel cannot run these tensors (needs {cap.needs()})"
         walk.append((n, rule, why_not))
         if why_not is None:
@@ -427,26 +427,29 @@ def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op):
 
 def choose(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
            capability_: tuple[int, int] | None = None, tma_aligned: bool = True,
-           op: str = "forward") -> tuple[int, Rule, GatedGemmConfig]:
+           op: str = "forward", transposed: bool = False) -> tuple[int, Rule, GatedGemmConfig]:
     """(rule index, rule, config) a call of `op` takes: what its entry point runs, computed without tensors.
 
     gpu: the CUDA device name ("cpu": the interpreter); capability_: None for 9.0 on names with
-    H100/H200/H20, else none; tma_aligned: whether the tensors meet TMA's alignment.
+    H100/H200/H20, else none; tma_aligned: whether the tensors meet TMA's alignment; transposed:
+    experts' weights in the transposed layout (gpt-oss's: op "experts" and its kin).
 
     Raises:
         ValueError: an unknown op, or a call refused before any rule is read (`refusal`).
     """
-    _, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op)
+    _, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed)
     n, rule, _ = walk[-1]
     return n, rule, _fit_dtype(rule.config, dtype)
 
 
 def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
-            capability_: tuple[int, int] | None = None, tma_aligned: bool = True, op: str = "forward") -> str:
+            capability_: tuple[int, int] | None = None, tma_aligned: bool = True, op: str = "forward",
+            transposed: bool = False) -> str:
     """Which rule a call of `op` takes and why every earlier rule did not, as text (see `choose`)."""
-    key, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op)
+    key, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed)
     lines = [f"{op} call: {gpu}, capability {key.capability}, {str(dtype).replace('torch.', '')}, M={m}, "
-             f"K={k}, I={i}, {'captured into a CUDA graph' if captured else 'eager'}"]
+             f"K={k}, I={i}, {'captured into a CUDA graph' if captured else 'eager'}"
+             + (", transposed weights" if transposed else "")]
     width = max(len(name) for name in MODULES)
     for n, rule, why_not in walk[:-1]:
         lines.append(f"  rule {n:2d} {rule.kernel:{width}s} skipped: {why_not}")

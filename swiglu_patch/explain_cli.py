@@ -21,6 +21,7 @@ examples:
   swiglu-patch explain --gpu cpu --dtype fp32 --m 300 --k 64 --i 72
   swiglu-patch explain --op backward --m 4096 --k 4096 --i 14336   # training's backward GEMM
   swiglu-patch explain --op forward_preact --m 4096 --k 4096 --i 14336   # training's forward (stores P)
+  swiglu-patch explain --op experts --m 1 --k 2880 --i 2880 --transposed   # gpt-oss's experts at decode
 """
 
 
@@ -42,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--captured", action="store_true", help="the call is captured into a CUDA graph")
     parser.add_argument("--unaligned", action="store_true",
                         help="x, the weight or the output is not 16-byte aligned for TMA")
+    parser.add_argument("--transposed", action="store_true",
+                        help="experts ops: the weights are in the transposed layout (gpt-oss's [E, K, 2I])")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,5 +65,5 @@ def main(args: argparse.Namespace) -> int:
               f"no kernel runs them: {why}", file=sys.stderr)
         return 2
     print(explain(args.gpu, dtype, args.m, args.k, args.i, args.captured, tma_aligned=not args.unaligned,
-                  op=args.op))
+                  op=args.op, transposed=args.transposed))
     return 0

@@ -318,6 +318,10 @@ def test_explain_names_the_chosen_rule():
     bad = subprocess.run([sys.executable, "-m", "swiglu_patch.cli", "explain", "--m", "0", "--k", "4096", "--i", "1"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    moe = subprocess.run([sys.executable, "-m", "swiglu_patch.cli", "explain", "--op", "experts", "--m", "1", "--k",
+                          "2880", "--i", "2880", "--transposed"], capture_output=True, text=True, timeout=300)
+    assert moe.returncode == 0, moe.stderr
+    assert "experts_gemv_transposed" in moe.stdout.split("CHOSEN")[0].splitlines()[-1]
 
 
 # -- output folders that cannot be written -------------------------------------------------------

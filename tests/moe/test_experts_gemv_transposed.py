@@ -53,12 +53,31 @@ def test_slot_counts_and_sizes_off_the_tiles(top_k):
                       config)
 
 
-def test_the_planner_gives_it_eager_one_token_calls_only():
-    """Its rule matches one token, eager; a captured call (the grouped kernels take less GPU time) or
-    two tokens skip it. `dispatch.choose` works without tensors, so it names the untransposed GEMV's
-    rule first: the layout is for each kernel's `can_run` to see."""
-    key = dispatch.CallKey("NVIDIA H100 80GB HBM3", (9, 0), torch.bfloat16, 1, 2880, 2880, False)
-    kernels = [rule.kernel for _, rule in dispatch.candidates(key, "experts")]
-    assert kernels[:3] == ["experts_gemv", "experts_gemv_transposed", "experts_grouped"], kernels
-    for other in (dataclasses.replace(key, captured=True), dataclasses.replace(key, m=2)):
-        assert "experts_gemv_transposed" not in [rule.kernel for _, rule in dispatch.candidates(other, "experts")]
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "cpu"])
+def test_the_planner_gives_it_eager_one_token_calls_on_transposed_weights_only(gpu):
+    """Its rule matches one token, eager, transposed weights; a captured call (the grouped kernels
+    take less GPU time), two tokens or untransposed weights go elsewhere. `choose` decides without
+    tensors what the kernels' `can_run` decides on them, and `explain` says why."""
+    dtype = torch.float16
+    for m, captured, transposed, kernel in ((1, False, True, "experts_gemv_transposed"),
+                                            (1, True, True, "experts_grouped"),
+                                            (2, False, True, "experts_grouped"),
+                                            (1, False, False, "experts_gemv")):
+        _, rule, _ = dispatch.choose(gpu, dtype, m, 2880, 2880, captured, op="experts", transposed=transposed)
+        assert rule.kernel == kernel, (m, captured, transposed)
+    text = dispatch.explain(gpu, dtype, 1, 2880, 2880, op="experts", transposed=True)
+    assert "transposed weights" in text.splitlines()[0]
+    assert "experts_gemv kernel cannot run these tensors (needs weights with unit stride along their reduction" in text
+    assert "experts_gemv_transposed" in text.split("CHOSEN")[0].splitlines()[-1]
+
+
+def test_capability_records_agree_with_can_run_on_each_layout():
+    """The GEMVs' tensor-free `runs(..., transposed=)` says what their files' `can_run` says on the
+    weights of every layout."""
+    for layout in LAYOUTS:
+        gate_up, down, _, _ = expert_weights(4, 32, 16, layout, False, torch.float32)
+        x = torch.randn(1, 32, device=DEVICE)
+        for name in ("experts_gemv", "experts_gemv_transposed"):
+            module = dispatch.MODULES[name]
+            runs = module.CAPABILITY.runs(torch.float32, 1, 16, on_gpu=False, transposed=layout.transposed)
+            assert module.can_run(x, gate_up, down, layout) == runs, (name, layout)
