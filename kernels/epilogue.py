@@ -20,6 +20,11 @@ to the output dtype; for bf16/fp16 inputs on the GPU silu and gelu_tanh take the
 from `tanh.approx.f32` (error at most 2^-11 of tanh, below a 16-bit output's rounding).
 Each field is a compile-time constant of the kernels (`GatedEpilogue.constexprs`): the plain
 epilogue (scales 1, no limit) compiles to the same code as one without these fields.
+
+A clamp's derivative where its input equals the bound follows the installed torch's
+`torch.clamp` backward (`CLIP_GRAD_AT_BOUND`, `MIN_GRAD_AT_BOUND`): torch up to 2.13 passes the
+gradient there, 2.14 on passes none. The backward kernels and `ops.gated_epilogue_grad_reference`
+read both, so a patched model's gradients are eager's under either torch.
 """
 
 from __future__ import annotations
@@ -40,6 +45,22 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 # Integer codes passed to the kernels as constexprs.
 ACTIVATION_CODES = {name: code for code, name in enumerate(ACTIVATIONS)}
 CLAMP_CODES = {None: 0, "gate": 1, "activation": 2}
+
+
+def _clamp_grad_at_bound() -> tuple[bool, bool]:
+    """Whether the installed torch's clamp backward passes the gradient where x equals the bound:
+    (x.clamp(-L, L) at x = L, as up is clipped, and the same at -L; x.clamp(max=L) at x = L, as
+    the gate or its activation is). True for torch <= 2.13, False from 2.14 (its closed interval became open).
+    Asked of torch itself on two CPU scalars, whatever grad mode the importer is in."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.tensor([1.0, 1.0], dtype=torch.float64, requires_grad=True)
+        grad = torch.autograd.grad(x[0].clamp(-1.0, 1.0) + x[1].clamp(max=1.0), x)[0].tolist()
+    return grad[0] == 1.0, grad[1] == 1.0
+
+
+# Where x equals the bound, does the derivative of clip(x, -L, L) (up) and of min(x, L) (the gate,
+# or its activation) pass the gradient? As this process's torch.clamp does; two bools, fixed at import.
+CLIP_GRAD_AT_BOUND, MIN_GRAD_AT_BOUND = _clamp_grad_at_bound()
 
 
 @dataclass(frozen=True)

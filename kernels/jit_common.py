@@ -10,6 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .epilogue import CLIP_GRAD_AT_BOUND, MIN_GRAD_AT_BOUND
+
+# The installed torch's clamp derivative where x equals the bound (`epilogue.CLIP_GRAD_AT_BOUND`):
+# global constexprs, part of every kernel's compile key that reads them.
+CLIP_PASSES_AT_BOUND = tl.constexpr(CLIP_GRAD_AT_BOUND)
+MIN_PASSES_AT_BOUND = tl.constexpr(MIN_GRAD_AT_BOUND)
+
 
 @triton.jit
 def tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_SIZE_M: tl.constexpr):
@@ -120,6 +127,28 @@ def activation_and_grad(gate, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexp
 
 
 @triton.jit
+def clip_passes(x, LIMIT: tl.constexpr):
+    """Where clip(x, -LIMIT, LIMIT) passes x's gradient: inside the interval, and at its ends
+    where torch.clamp's backward does (`CLIP_PASSES_AT_BOUND`)."""
+    if CLIP_PASSES_AT_BOUND:
+        passes = (x >= -LIMIT) & (x <= LIMIT)
+    else:
+        passes = (x > -LIMIT) & (x < LIMIT)
+    return passes
+
+
+@triton.jit
+def min_passes(x, LIMIT: tl.constexpr):
+    """Where min(x, LIMIT) passes x's gradient: below LIMIT, and at it where torch.clamp(max=)'s
+    backward does (`MIN_PASSES_AT_BOUND`)."""
+    if MIN_PASSES_AT_BOUND:
+        passes = x <= LIMIT
+    else:
+        passes = x < LIMIT
+    return passes
+
+
+@triton.jit
 def gated_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: tl.constexpr,
                         GATE_SCALE: tl.constexpr, OUT_SCALE: tl.constexpr, CLAMP: tl.constexpr,
                         LIMIT: tl.constexpr):
@@ -127,18 +156,19 @@ def gated_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: tl.
     gradients of sum(dh * h) with respect to gate and up (the scales included). A clamp passes
     no gradient where it clips, as torch.clamp's backward: up's where it is outside
     [-LIMIT, LIMIT]; CLAMP 1: gate's where GATE_SCALE * gate > LIMIT; CLAMP 2: where
-    act(GATE_SCALE * gate) > LIMIT."""
+    act(GATE_SCALE * gate) > LIMIT. At the bound itself, as the installed torch does
+    (`clip_passes`, `min_passes`)."""
     if GATE_SCALE != 1.0:
         gate = gate * GATE_SCALE
     if CLAMP != 0:
-        up_passes = (up >= -LIMIT) & (up <= LIMIT)
+        up_passes = clip_passes(up, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
     if CLAMP == 1:
-        gate_passes = gate <= LIMIT
+        gate_passes = min_passes(gate, LIMIT)
         gate = tl.minimum(gate, LIMIT)
     a, da = activation_and_grad(gate, ACTIVATION, APPROX_TANH)
     if CLAMP == 2:
-        gate_passes = a <= LIMIT
+        gate_passes = min_passes(a, LIMIT)
         a = tl.minimum(a, LIMIT)
     h = a * up
     if OUT_SCALE != 1.0:

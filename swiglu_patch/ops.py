@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .kernels.epilogue import CLAMP_CODES, GatedEpilogue
+from .kernels.epilogue import CLAMP_CODES, CLIP_GRAD_AT_BOUND, MIN_GRAD_AT_BOUND, GatedEpilogue
 from .kernels.layout import interleave_gate_up, split_interleaved
 
 BACKENDS = ("auto", "triton", "torch")
@@ -138,7 +138,8 @@ def gated_epilogue_grad_reference(gate: torch.Tensor, up: torch.Tensor, dh: torc
 
     A clamp passes no gradient where it clips (torch.clamp's backward): up where it is outside
     [-limit, limit]; clamp "gate": gate where gate_scale * gate > limit; clamp "activation":
-    where act(gate_scale * gate) > limit.
+    where act(gate_scale * gate) > limit. At the bound itself, as the installed torch's clamp does
+    (`epilogue.CLIP_GRAD_AT_BOUND`, `MIN_GRAD_AT_BOUND`).
 
     Args:
         gate, up, dh: [M, I] each, one floating dtype (the caller upcasts 16-bit ones).
@@ -150,14 +151,14 @@ def gated_epilogue_grad_reference(gate: torch.Tensor, up: torch.Tensor, dh: torc
     g = gate * e.gate_scale if e.gate_scale != 1.0 else gate
     gate_passes = up_passes = None
     if e.limit is not None:
-        up_passes = (up >= -e.limit) & (up <= e.limit)
+        up_passes = (up >= -e.limit) & (up <= e.limit) if CLIP_GRAD_AT_BOUND else (up > -e.limit) & (up < e.limit)
         up = up.clamp(-e.limit, e.limit)
         if e.clamp == "gate":
-            gate_passes = g <= e.limit
+            gate_passes = g <= e.limit if MIN_GRAD_AT_BOUND else g < e.limit
             g = g.clamp(max=e.limit)
     a, da = _activation_and_grad(g, e.activation)
     if e.limit is not None and e.clamp == "activation":
-        gate_passes = a <= e.limit
+        gate_passes = a <= e.limit if MIN_GRAD_AT_BOUND else a < e.limit
         a = a.clamp(max=e.limit)
     h = a * up
     if e.out_scale != 1.0:

@@ -25,8 +25,8 @@ CONFIGS = [HOPPER_RULE.config,
 # stack bytes allowed: none, but on 128x256 tiles (the MMA warps hold 128 accumulators a thread, which leaves the
 # epilogue warps 96 registers) for fp16 gelu_tanh and for gpt-oss's clamped epilogue, which the kernel never runs
 # on a real model (gpt-oss's experts have biases: `can_run` refuses them). Triton 3.6 (the H100 image's) spills 24
-# and 136 bytes there, Triton 3.9 48 and 264.
-STACK_BYTES = {(256, "float16", "gelu_tanh"): 64, (256, "bfloat16", "gpt_oss"): 320}
+# and 136 bytes there, Triton 3.8 (torch 2.14's) 176 and 80, Triton 3.9 48 and 264.
+STACK_BYTES = {(256, "float16", "gelu_tanh"): 192, (256, "bfloat16", "gpt_oss"): 320}
 
 
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton install has no NVIDIA backend")

@@ -17,7 +17,7 @@ from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.configs import m_bucket
 from swiglu_patch.kernels.dispatch import explain, gated_backward, gated_gemm, gated_gemm_with_preact
 from swiglu_patch.kernels.epilogue import GatedEpilogue
-from swiglu_patch.kernels.layout import split_interleaved
+from swiglu_patch.kernels.layout import interleave_gate_up, split_interleaved
 from swiglu_patch.kernels.rules import BACKWARD_KERNELS, BACKWARD_RULES
 
 TMA_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
@@ -203,6 +203,22 @@ def test_backward_kernel_computes_every_epilogue(kernel, m, k, i, epilogue, scal
     if e.limit is not None and scale > 1:  # the case exercises the clamp
         plain, _, _ = _run_backward(kernel, dy, wd, saved.clone(), e.activation)
         assert not torch.allclose(dpreact, plain, rtol=0.1, atol=0.1)
+
+
+@pytest.mark.parametrize("kernel", ["backward_pointer", "backward_tma", "backward_split"])
+def test_a_clamp_on_its_bound_passes_the_gradient_as_torch_does(kernel):
+    """P planted on the clamp's bounds (a quarter of gate at the limit, a quarter of up at each of
+    +-limit): dP against float64 autograd through torch.clamp, which passes the gradient there up to
+    torch 2.13 and not from 2.14 (tests/kernels/test_clamp_at_bound.py has the helpers' own case)."""
+    epilogue = GatedEpilogue("silu", limit=2.0, clamp="gate")
+    dtype = KERNEL_DTYPES[-1] if kernel == "backward_pointer" else TMA_DTYPES[-1]
+    dy, wd, preact = _backward_case(37, 72, 64, dtype, scale=2.0)
+    gate, up = (t.clone() for t in split_interleaved(preact, -1))
+    gate[:, 0::4], up[:, 1::4], up[:, 2::4] = 2.0, 2.0, -2.0
+    preact = interleave_gate_up(gate.T, up.T).T.contiguous()
+    config = C(16, 32, 16, num_warps=4) if kernel == "backward_split" and not CUDA else None
+    dpreact, h, saved = _run_backward(kernel, dy, wd, preact, epilogue, config=config)
+    check_backward(dpreact, h, dy, wd, saved, epilogue)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu"])
