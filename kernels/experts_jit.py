@@ -34,9 +34,9 @@ def experts_epilogue_grad(gate, up, dh, ACTIVATION: tl.constexpr, APPROX_TANH: t
     """(h, dgate, dup) in fp32 for `experts_epilogue`: with ALPHA == 0 the dense
     `gated_epilogue_grad`; with ALPHA > 0 gpt-oss's h = g * sigmoid(ALPHA g) * (u + 1),
     g = min(gate, LIMIT), u = clip(up, -LIMIT, LIMIT): with s = sigmoid(ALPHA g),
-    dgate = dh * (u + 1) * s * (1 + ALPHA g (1 - s)) where gate < LIMIT, dup = dh * g * s where
-    -LIMIT < up < LIMIT (a clamp passes no gradient where it clips, as torch.clamp's backward; at
-    the bound as the installed torch does: `jit_common.clip_passes`, `min_passes`)."""
+    dgate = dh * (u + 1) * s * (1 + ALPHA g (1 - s)) where gate is below LIMIT, dup = dh * g * s
+    where up is inside (-LIMIT, LIMIT): a clamp passes no gradient where it clips, as torch.clamp's
+    backward, and on the bound as the installed torch does (`jit_common.clip_passes`, `min_passes`)."""
     if ALPHA != 0.0:
         gate_passes = min_passes(gate, LIMIT)
         up_passes = clip_passes(up, LIMIT)
