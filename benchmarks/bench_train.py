@@ -226,8 +226,9 @@ def table_row(row: Row, device, timer: EventTimer, liger_mlp: bool, quack_tuned:
     if device.type == "cuda":
         ways |= {n: m for n, m in liger_modules(row.act, config, eager).items() if liger_mlp or "LigerMLP" not in n}
         ways[f"quack (mlp_func, {'tuned' if quack_tuned else 'untuned'})"] = quack_module(row.act, eager, tuned=quack_tuned)
-    ways |= {"ours_store": ours_module(eager, row.act, "store"), "ours_recompute": ours_module(eager, row.act, "recompute"),
-             FLOOR: gemm_floor_module(eager)}
+    ways |= {"ours_store": ours_module(eager, row.act, "store"),
+             "ours_store_one_p": ours_module(eager, row.act, "store", split=False),
+             "ours_recompute": ours_module(eager, row.act, "recompute"), FLOOR: gemm_floor_module(eager)}
     x = torch.randn(row.m, row.k, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(row.m, row.k, device=device, dtype=dtype)
     results, steps = {}, {}

@@ -7,7 +7,8 @@
   mode), with the whole MLP's backward registered on it (`swiglu_patch.training` has the formulas
   and modes); then `GatedMlpDown` (an autograd.Function, not a registered op) computes
   y = h @ Wd^T + bd and its backward only hands dY back to it;
-- ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P;
+- ``swiglu_patch::gated_mlp_dpreact`` (`gated_mlp_dpreact_op`): the backward GEMM, writing dP over P
+  (over both halves where store mode keeps P as two tensors, `training.preact_split`);
 
 The experts ops are `experts_ops.py`'s. Eager calls of the training op go through an
 autograd.Function built from the same functions (`GatedMlp`, picked by `gated_mlp_autograd`),
@@ -178,14 +179,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def declared_mutation(fn, arg: int):
-    """fn, then autograd's version counter of its argument `arg` bumped, as the registered op's
-    ADInplaceOrView kernel does for an argument it declares mutated: the kernels write dP over P by
-    pointer, and a second backward through the graph must find the saved P changed and raise."""
+def declared_mutation(fn, *mutated: int):
+    """fn, then autograd's version counter of each argument at the positions `mutated` bumped (those
+    not None), as the registered op's ADInplaceOrView kernel does for an argument it declares mutated:
+    the kernels write dP over P by pointer, and a second backward through the graph must find the
+    saved P changed and raise."""
     def call(*args):
         out = fn(*args)
-        if args[arg] is not None:
-            torch.autograd.graph.increment_version(args[arg])
+        for position in mutated:
+            if args[position] is not None:
+                torch.autograd.graph.increment_version(args[position])
         return out
     return call
 
@@ -212,19 +215,30 @@ def eager_autograd(name: str, doc: str, forward, setup_context, backward, **ctx_
 
 def _gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None,
                down_weight: torch.Tensor, x_lr: torch.Tensor | None, b_lr: torch.Tensor | None, activation: str,
-               gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, return_h: bool,
-               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The MLP's first half, and its whole backward: (h [M, I], P [M, 2*I], dy_route [M, K]) for
-    2-D x [M, K]. P is a 0-element tensor unless store_preact. dy_route is one element seen as
-    [M, K] (strides 0, 0): `GatedMlpDown` takes it and hands dY back through it, so this op's
+               gate_scale: float, out_scale: float, clamp: int, limit: float, store_preact: bool, split_at: int,
+               return_h: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MLP's first half, and its whole backward: (h [M, I], P [M, 2*I], P_hi, dy_route [M, K])
+    for 2-D x [M, K]. P is a 0-element tensor unless store_preact. With split_at (store mode, no
+    low-rank segment; `training.preact_split`) P is stored as two tensors that the backward frees
+    one at a time: P [M, 2*split_at], the packed columns of h's columns [0, split_at), and P_hi
+    [M, 2*(I - split_at)], the rest; else P_hi is a 0-element tensor. dy_route is one element seen
+    as [M, K] (strides 0, 0): `GatedMlpDown` takes it and hands dY back through it, so this op's
     backward gets dY and runs every GEMM of the MLP's backward. Wd [K, I] is an input for that
     backward (dH = dY @ Wd and dWd); y = h @ Wd^T + bd is `GatedMlpDown`'s. h is
     differentiable only with return_h (the gradient of adapters on down_proj).
     x_lr [M, r] and b_lr [2*I, r]: the low-rank segment."""
     epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
+    preact_hi = None
     if backend == "triton":
         kernels = dispatcher()
-        if x_lr is not None:
+        if split_at:
+            lo = 2 * split_at
+            h = x.new_empty((x.shape[0], gate_up_weight.shape[0] // 2))
+            _, preact = kernels.gated_gemm_with_preact(x, gate_up_weight[:lo], epilogue, _rows(gate_up_bias, 0, lo),
+                                                       out=h[:, :split_at])
+            _, preact_hi = kernels.gated_gemm_with_preact(x, gate_up_weight[lo:], epilogue,
+                                                          _rows(gate_up_bias, lo, None), out=h[:, split_at:])
+        elif x_lr is not None:
             h, preact = kernels.gated_gemm_low_rank(x, gate_up_weight, x_lr, b_lr, epilogue, gate_up_bias,
                                                     store_preact)
         elif store_preact:
@@ -238,7 +252,14 @@ def _gated_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, gate_up_bias: torc
         gate, up = split_interleaved(p_acc, -1)
         h = epilogue.apply(gate, up).to(x.dtype)
         preact = (p if x_lr is None else p_acc.to(x.dtype)) if store_preact else None
-    return h, x.new_empty(0) if preact is None else preact, _dy_route(x, down_weight)
+        if split_at:
+            preact, preact_hi = p[:, :2 * split_at].clone(), p[:, 2 * split_at:].clone()
+    return (h, x.new_empty(0) if preact is None else preact, x.new_empty(0) if preact_hi is None else preact_hi,
+            _dy_route(x, down_weight))
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
+    return None if t is None else t[start:stop]
 
 
 gated_mlp_op = torch.library.custom_op("swiglu_patch::gated_mlp", _gated_mlp, mutates_args=())
@@ -250,9 +271,12 @@ def _dy_route(x: torch.Tensor, down_weight: torch.Tensor) -> torch.Tensor:
 
 @gated_mlp_op.register_fake
 def _(x, gate_up_weight, gate_up_bias, down_weight, x_lr, b_lr, activation, gate_scale, out_scale, clamp, limit,
-      store_preact, return_h, backend):
-    preact = x.new_empty((x.shape[0], gate_up_weight.shape[0])) if store_preact else x.new_empty(0)
-    return x.new_empty((x.shape[0], down_weight.shape[1])), preact, _dy_route(x, down_weight)
+      store_preact, split_at, return_h, backend):
+    m, n = x.shape[0], gate_up_weight.shape[0]
+    lo = 2 * split_at if split_at else n
+    preact = x.new_empty((m, lo)) if store_preact else x.new_empty(0)
+    preact_hi = x.new_empty((m, n - lo)) if split_at else x.new_empty(0)
+    return x.new_empty((m, down_weight.shape[1])), preact, preact_hi, _dy_route(x, down_weight)
 
 
 class GatedMlpDown(torch.autograd.Function):
@@ -277,12 +301,26 @@ class GatedMlpDown(torch.autograd.Function):
         return None, None, _sum_rows(dy) if ctx.needs_input_grad[2] else None, dy
 
 
-def _gated_mlp_dpreact(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor, dh_in: torch.Tensor | None,
-                       activation: str, gate_scale: float, out_scale: float, clamp: int, limit: float,
-                       backend: str) -> torch.Tensor:
+def _gated_mlp_dpreact(dy: torch.Tensor, down_weight: torch.Tensor, preact: torch.Tensor,
+                       preact_hi: torch.Tensor | None, dh_in: torch.Tensor | None, activation: str, gate_scale: float,
+                       out_scale: float, clamp: int, limit: float, backend: str) -> torch.Tensor:
     """Writes dP over P (`preact`, [M, 2*I]) and returns h [M, I], from dY [M, K], Wd [K, I] and
-    an optional further gradient of h, dh_in [M, I] (added to dY @ Wd)."""
+    an optional further gradient of h, dh_in [M, I] (added to dY @ Wd). With `preact_hi`, P is in
+    two tensors (`_gated_mlp`'s split): `preact` [M, 2*s] for h's columns [0, s) and `preact_hi`
+    [M, 2*(I - s)] for the rest; dP goes over each."""
     epilogue = epilogue_of(activation, gate_scale, out_scale, clamp, limit)
+    if preact_hi is not None:
+        s = preact.shape[1] // 2
+        h = dy.new_empty((dy.shape[0], down_weight.shape[1]))
+        for cols, p in ((slice(0, s), preact), (slice(s, None), preact_hi)):
+            dh_cols = None if dh_in is None else dh_in[:, cols]
+            if backend == "triton":
+                dispatcher().gated_backward(dy, down_weight[:, cols], p, epilogue, dpreact_out=p, h_out=h[:, cols],
+                                            dh_in=dh_cols)
+            else:
+                h[:, cols] = _gated_mlp_dpreact(dy, down_weight[:, cols], p, None, dh_cols, activation, gate_scale,
+                                                out_scale, clamp, limit, backend)
+        return h
     if backend == "triton":
         _, h = dispatcher().gated_backward(dy, down_weight, preact, epilogue, dpreact_out=preact, dh_in=dh_in)
         return h
@@ -297,23 +335,23 @@ def _gated_mlp_dpreact(dy: torch.Tensor, down_weight: torch.Tensor, preact: torc
 
 
 gated_mlp_dpreact_op = torch.library.custom_op("swiglu_patch::gated_mlp_dpreact", _gated_mlp_dpreact,
-                                               mutates_args=("preact",))
+                                               mutates_args=("preact", "preact_hi"))
 
 
 @gated_mlp_dpreact_op.register_fake
-def _(dy, down_weight, preact, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
+def _(dy, down_weight, preact, preact_hi, dh_in, activation, gate_scale, out_scale, clamp, limit, backend):
     return dy.new_empty((dy.shape[0], down_weight.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    x, gate_up_weight, gate_up_bias, down_weight, x_lr, b_lr, *epilogue, store_preact, return_h, backend = inputs
-    h, preact, _ = output
-    ctx.mark_non_differentiable(preact)
+    x, gate_up_weight, gate_up_bias, down_weight, x_lr, b_lr, *epilogue, store_preact, split_at, return_h, backend = inputs
+    h, preact, preact_hi, _ = output
+    ctx.mark_non_differentiable(preact, preact_hi)
     if not return_h:
         ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # no [M, 2*I] of zeros for P's (absent) gradient
     ctx.save_for_backward(x, gate_up_weight, None if store_preact else gate_up_bias, down_weight,
-                          preact if store_preact else None, x_lr, b_lr)
+                          preact if store_preact else None, preact_hi if split_at else None, x_lr, b_lr)
     ctx.epilogue_args, ctx.store_preact, ctx.return_h, ctx.backend = tuple(epilogue), store_preact, return_h, backend
     ctx.dpreact = gated_mlp_dpreact_op
 
@@ -323,14 +361,14 @@ def _sum_rows(t: torch.Tensor) -> torch.Tensor:
     return t.sum(0, dtype=_acc_dtype(t.dtype)).to(t.dtype)
 
 
-def _backward(ctx, dh_in, _dpreact, dy):
+def _backward(ctx, dh_in, _dpreact, _dpreact_hi, dy):
     need_x, need_w, need_b, need_wd, need_xlr, need_blr = ctx.needs_input_grad[:6]
-    none = (None,) * 8
+    none = (None,) * 9
     if not ctx.return_h:  # h went to the down op only, which gives it no gradient (a traced backward may pass zeros)
         dh_in = None
     if dy is None and dh_in is None:
         return (None,) * 6 + none
-    x, gate_up_weight, gate_up_bias, down_weight, preact, x_lr, b_lr = ctx.saved_tensors
+    x, gate_up_weight, gate_up_bias, down_weight, preact, preact_hi, x_lr, b_lr = ctx.saved_tensors
     dy = x.new_zeros((x.shape[0], down_weight.shape[0])) if dy is None else dy.contiguous()
     dx = dw = db = dwd = dxlr = dblr = None
     if need_x or need_w or need_b or need_wd or need_xlr or need_blr:
@@ -338,7 +376,7 @@ def _backward(ctx, dh_in, _dpreact, dy):
             preact = F.linear(x, gate_up_weight, gate_up_bias)
             if x_lr is not None:
                 preact = torch.addmm(preact, x_lr, b_lr.t())
-        h = ctx.dpreact(dy, down_weight, preact, dh_in, *ctx.epilogue_args, ctx.backend)
+        h = ctx.dpreact(dy, down_weight, preact, preact_hi, dh_in, *ctx.epilogue_args, ctx.backend)
         dpreact = preact  # dP now, written over P
         # dWd [K, I] needs h [M, I]; the other GEMMs need dP [M, 2I], alive to the last of them. Either h
         # or dWd lives beside dP, dW and dx at the peak: dWd first (h freed) unless M < K in recompute
@@ -348,6 +386,8 @@ def _backward(ctx, dh_in, _dpreact, dy):
             dwd = dy.t() @ h
         if not dwd_last:
             del h
+        if preact_hi is not None:
+            return _backward_split(x, gate_up_weight, dpreact, preact_hi, need_x, need_w, need_b) + (dwd, None, None) + none
         if need_x:
             dx = dpreact @ gate_up_weight
         if need_w:
@@ -364,16 +404,44 @@ def _backward(ctx, dh_in, _dpreact, dy):
     return (dx, dw, db, dwd, dxlr, dblr) + none
 
 
+def _backward_split(x, gate_up_weight, dpreact_lo, dpreact_hi, need_x, need_w, need_b) -> tuple:
+    """(dx, dW, db) with dP in two tensors (store mode's split: `_gated_mlp`), the
+    order that frees dP_lo [M, 2s] before dx [M, K] is allocated (docs/training.md, "Memory"):
+    dW [2I, K] is allocated, its rows [0, 2s) get dP_lo^T x, dx's first part dP_lo @ W[:2s] goes
+    into its rows [2s, 2s + M) (not yet written: M <= 2I - 2s), dP_lo's storage is freed (a saved
+    tensor, so by resizing it to 0 bytes; a second backward through the graph raises first, on P's
+    bumped version), dx = that part + dP_hi @ W[2s:] is allocated, and dW's rows [2s, 2I) get
+    dP_hi^T x over the part. dx is rounded twice (the part, then the sum), as eager's
+    dx_gate + dx_up is."""
+    dx = dw = db = None
+    lo, m = dpreact_lo.shape[1], x.shape[0]
+    if need_b:
+        db = torch.cat((_sum_rows(dpreact_lo), _sum_rows(dpreact_hi)))
+    if need_w:
+        dw = gate_up_weight.new_empty(gate_up_weight.shape)
+        torch.mm(dpreact_lo.t(), x, out=dw[:lo])
+    if need_x:
+        part = torch.mm(dpreact_lo, gate_up_weight[:lo], out=dw[lo:lo + m] if need_w else None)
+        dpreact_lo.untyped_storage().resize_(0)
+        if need_w:
+            dx = torch.addmm(part, dpreact_hi, gate_up_weight[lo:])
+        else:
+            dx = part.addmm_(dpreact_hi, gate_up_weight[lo:])
+    if need_w:
+        torch.mm(dpreact_hi.t(), x, out=dw[lo:])
+    return dx, dw, db
+
+
 gated_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 GatedMlp = eager_autograd(
     "GatedMlp", "`gated_mlp_op` for eager calls (`eager_autograd`): `_gated_mlp`, `_setup_context` and "
     "`_backward`, whose backward GEMM runs as `_gated_mlp_dpreact` with P's version bumped.",
-    _gated_mlp, _setup_context, _backward, dpreact=declared_mutation(_gated_mlp_dpreact, 2))
+    _gated_mlp, _setup_context, _backward, dpreact=declared_mutation(_gated_mlp_dpreact, 2, 3))
 
 
-def gated_mlp_autograd(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gated_mlp_autograd(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gated_mlp_op`'s arguments and outputs, differentiable: `GatedMlp` for eager calls on the
     kernels; the registered op while torch.compile traces (one opaque op, its backward registered)
     and for backend "torch" (the reference, whose PyTorch temporaries the op's boundary keeps out

@@ -23,7 +23,10 @@ GEMM's epilogue (its HAS_DH_IN input) before the derivative.
 
 Two modes:
 - "store" (the default): the forward's gated GEMM also writes P (x's dtype); P is the one
-  tensor saved beyond x and the weights (2*M*I elements); h is not saved.
+  tensor saved beyond x and the weights (2*M*I elements); h is not saved. From `SPLIT_MIN_TOKENS`
+  tokens on (`preact_split`), P is written as two tensors, each half of h's columns by its own
+  launch, so that the backward frees the first half of dP before it allocates dx: the peak drops
+  by M*K elements (docs/training.md, "Memory").
 - "recompute": only x and the weights are saved; the backward recomputes P with one GEMM.
 
 Layers, bottom up: the kernels (`kernels/dispatch.py`: `gated_gemm_with_preact`, `gated_gemm`,
@@ -48,13 +51,30 @@ from __future__ import annotations
 import torch
 
 from .kernels.epilogue import GatedEpilogue
-from .kernels.layout import PackedGateUp
+from .kernels.layout import GATE_UP_BLOCK, PackedGateUp
 from .low_rank import check_low_rank
 from .ops import epilogue_args, gated_epilogue_grad_reference, gated_mlp_autograd, GatedMlpDown, resolve_backend
 
-__all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved"]
+__all__ = ["MODES", "gated_epilogue_grad_reference", "gated_mlp", "gated_mlp_interleaved", "preact_split"]
 
 MODES = ("store", "recompute")
+SPLIT_MIN_TOKENS = 1024
+
+
+def preact_split(x: torch.Tensor, intermediate: int) -> int:
+    """Where store mode cuts P [M, 2*I] into two tensors: h's column s (a multiple of the packing
+    block, near I / 2), or 0 for one tensor. Split when the M*K elements it saves at the backward's
+    peak outweigh two launches in place of one in each direction: from `SPLIT_MIN_TOKENS` tokens
+    x [M, K] on, while dx's first part fits in the packed weight gradient's unwritten rows (M <= 2(I - s)).
+    Never while torch.compile traces or a CUDA graph captures: the backward frees a saved tensor's
+    storage, which neither may see."""
+    m = x.shape[0]
+    s = intermediate // 2 // GATE_UP_BLOCK * GATE_UP_BLOCK
+    if m < SPLIT_MIN_TOKENS or s == 0 or m > 2 * (intermediate - s) or torch.compiler.is_compiling():
+        return 0
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return 0
+    return s
 
 
 def _check(x, weight, bias, down_weight, down_bias) -> None:
@@ -116,8 +136,9 @@ def gated_mlp_interleaved(
     store = mode == "store" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in op_inputs)
     x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     xlr2d = x_lr if x_lr is None or x_lr.dim() == 2 else x_lr.reshape(-1, x_lr.shape[-1])
-    h, _, dy_route = gated_mlp_autograd(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
-                                        return_h, backend)
+    split_at = preact_split(x2d, weight.shape[0] // 2) if store and x_lr is None else 0
+    h, _, _, dy_route = gated_mlp_autograd(x2d, weight, bias, down_weight, xlr2d, b_lr, *epilogue_args(epilogue), store,
+                                           split_at, return_h, backend)
     y = GatedMlpDown.apply(h, down_weight, down_bias, dy_route)
     if x.dim() != 2:
         y = y.view(*x.shape[:-1], y.shape[-1])

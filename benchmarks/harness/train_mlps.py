@@ -42,11 +42,23 @@ def eager_module(act: str, k: int, i: int, device, dtype: torch.dtype) -> tuple[
         return Gemma2MLP(config).to(dtype), config
 
 
-def ours_module(eager: torch.nn.Module, act: str, mode: str) -> torch.nn.Module:
+def ours_module(eager: torch.nn.Module, act: str, mode: str, split: bool = True) -> torch.nn.Module:
     """`gated_mlp` with act in mode ("store" or "recompute") on copies of eager's weights:
-    `gate_up_interleaved` [2I, K] (gate and up rows interleaved) and `down` [K, I]."""
+    `gate_up_interleaved` [2I, K] (gate and up rows interleaved) and `down` [K, I]. split=False:
+    store mode keeps P in one tensor at every M (`training.preact_split` switched off by its
+    threshold during each call), the A/B of the split."""
+    from swiglu_patch import training
     from swiglu_patch.kernels.layout import PackedGateUp, interleave_gate_up
     from swiglu_patch.training import gated_mlp
+
+    def call(*args):
+        if split:
+            return gated_mlp(*args)
+        threshold, training.SPLIT_MIN_TOKENS = training.SPLIT_MIN_TOKENS, float("inf")
+        try:
+            return gated_mlp(*args)
+        finally:
+            training.SPLIT_MIN_TOKENS = threshold
 
     class OursMLP(torch.nn.Module):
         def __init__(self):
@@ -57,7 +69,7 @@ def ours_module(eager: torch.nn.Module, act: str, mode: str) -> torch.nn.Module:
             self.down = torch.nn.Parameter(eager.down_proj.weight.detach().clone())
 
         def forward(self, x):
-            return gated_mlp(x, PackedGateUp(self.gate_up_interleaved), self.down, None, act, mode)
+            return call(x, PackedGateUp(self.gate_up_interleaved), self.down, None, act, mode)
 
     return OursMLP()
 

@@ -11,10 +11,13 @@ Counts in elements (M tokens, K hidden, I intermediate), derived in docs/trainin
 - ours, store: dP + dW + dx + dWd + y = 2MI + 3IK + 2MK, the least any order reaches while dP
   is one tensor and dW, dx are fresh ones; recompute: the same for M >= K, and for M < K
   max(3MI + 2IK, MI + 3IK) + 2MK (dP freed before dWd);
+- ours, store with P in two tensors split at h's column s (`training.preact_split`, from
+  SPLIT_MIN_TOKENS tokens): max(3MI + IK + MK at dWd, 2MI + 3IK + MK when dW is allocated,
+  2M(I - s) + 3IK + 2MK when dx is, dP's first half freed): at or below Liger's for M >= K;
 - Liger's `LigerSwiGLUMLP` (three nn.Linear, `LigerSiLUMulFunction` saving gate and up and writing
   their gradients over them): max(4MI + IK + MK at down_proj's backward, MI + 3IK + 3MK at up_proj's).
 
-So ours <= Liger's iff M >= 2IK / (2I - K), and at M = K ours is MK (dx) above it. On CUDA the
+So ours in one P <= Liger's iff M >= 2IK / (2I - K), and at M = K ours is MK (dx) above it; in two, equal. On CUDA the
 same counts are checked against the caching allocator's ``max_memory_allocated`` with the kernels
 (and Liger's own module where it is installed).
 """
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from helpers import CUDA
 from memory.live_tensors import LiveTensors
 
+from swiglu_patch import training
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.training import gated_mlp_interleaved
 
@@ -72,6 +76,10 @@ def ours_count(m, k, i, mode):
     return 2 * m * i + 3 * i * k + 2 * m * k
 
 
+def ours_split_count(m, k, i, s):
+    return max(3 * m * i + i * k + m * k, 2 * m * i + 3 * i * k + m * k, 2 * m * (i - s) + 3 * i * k + 2 * m * k)
+
+
 def liger_count(m, k, i):
     return max(4 * m * i + i * k + m * k, m * i + 3 * i * k + 3 * m * k)
 
@@ -104,6 +112,21 @@ def peak_elements(m, way, mode="store"):
 @pytest.mark.parametrize("m", [32, 64, 128])
 def test_ours_peak_is_the_count(m, mode):
     assert peak_elements(m, "ours", mode) == ours_count(m, K, I, mode)
+
+
+@pytest.mark.parametrize("m", [32, 64, 128, 200])
+def test_store_in_two_halves_peaks_at_its_count(m, monkeypatch):
+    """P split at s = I / 2 = 112: MK below one P's peak; at M >= K at or below Liger's (equal at M = K),
+    and M(I - 2K) above it for M < K, where Liger's peak is up_proj's backward."""
+    monkeypatch.setattr(training, "SPLIT_MIN_TOKENS", 1)
+    assert training.preact_split(torch.empty(m, K), I) == 112
+    peak = peak_elements(m, "ours")
+    assert peak == ours_split_count(m, K, I, 112)
+    assert peak == ours_count(m, K, I, "store") - m * K or m > 2 * K  # past 2K the forward's dWd step sets it
+    if m >= K:
+        assert peak <= liger_count(m, K, I)
+    else:
+        assert peak - liger_count(m, K, I) == m * (I - 2 * K)
 
 
 @pytest.mark.parametrize("m", [32, 64, 128])
@@ -140,11 +163,14 @@ def cuda_peak_mib(module, m, k):
 
 
 @pytest.mark.skipif(not CUDA, reason="the caching allocator's peak needs CUDA (the CPU count is above)")
-@pytest.mark.parametrize("way", ["store", "recompute", "liger"])
+@pytest.mark.parametrize("way", ["store", "store, one P", "recompute", "liger"])
 @pytest.mark.parametrize("m", [512, 1024, 2048])
-def test_cuda_peak_is_the_count(way, m):
-    """Within 1 MiB over the count (Triton's and cuBLAS's small scratch); one [M, I] more is 3.5+ MiB."""
+def test_cuda_peak_is_the_count(way, m, monkeypatch):
+    """Within 1 MiB over the count (Triton's and cuBLAS's small scratch); one [M, I] more is 3.5+ MiB.
+    "store" splits P where the rule does (from SPLIT_MIN_TOKENS = 1024 tokens), "store, one P" never."""
     k, i = 1024, 3584
+    if way == "store, one P":
+        monkeypatch.setattr(training, "SPLIT_MIN_TOKENS", 10**9)
     if way == "liger":
         if importlib.util.find_spec("liger_kernel") is None:
             pytest.skip("liger-kernel is not installed")
@@ -162,8 +188,10 @@ def test_cuda_peak_is_the_count(way, m):
                 self.wd = torch.nn.Parameter(torch.randn(k, i, device="cuda", dtype=torch.bfloat16) / i**0.5)
 
             def forward(self, x):
-                return gated_mlp_interleaved(x, self.w, None, self.wd, None, GatedEpilogue("silu"), way)
+                return gated_mlp_interleaved(x, self.w, None, self.wd, None, GatedEpilogue("silu"), way.split(",")[0])
 
-        module, count = Ours(), ours_count(m, k, i, way)
+        split_at = training.preact_split(torch.empty(m, k), i) if way == "store" else 0
+        count = ours_split_count(m, k, i, split_at) if split_at else ours_count(m, k, i, way.split(",")[0])
+        module = Ours()
     peak = cuda_peak_mib(module, m, k)
     assert count * 2 / 2**20 <= peak <= count * 2 / 2**20 + 1, (peak, count * 2 / 2**20)

@@ -27,18 +27,22 @@ def _leaves(m=9, k=32, i=24, dtype=None, bias=True, requires_grad=True):
     return [t.requires_grad_(requires_grad) if t is not None else None for t in tensors]
 
 
+# (store, split_at, low_rank): P stored (in two tensors from h's column split_at), the LoRA segment
+OP_CASES = [(True, 0, False), (False, 0, False), (True, 0, True), (False, 0, True), (True, 16, False)]
+
+
 @pytest.mark.parametrize("backend", ["torch", BACKEND])
-@pytest.mark.parametrize("store", [True, False])
-@pytest.mark.parametrize("low_rank", [False, True])
-def test_opcheck_gated_mlp(backend, store, low_rank):
+@pytest.mark.parametrize("store, split_at, low_rank", OP_CASES)
+def test_opcheck_gated_mlp(backend, store, split_at, low_rank):
     """Schema, fake tensor and autograd registration; AOT dispatch (what torch.compile traces)
     where P is not an output the caller keeps: store mode's backward writes dP over the P it
     returned, which a caller holding P would see (the functional never hands P out; its
-    compile is tested below). low_rank: a LoRA segment (x_lr, b_lr) and h returned too."""
-    x, w, b, wd, bd = _leaves(dtype=torch.float32)
+    compile is tested below). low_rank: a LoRA segment (x_lr, b_lr) and h returned too.
+    I = 40: a split at 16 leaves a partial gate/up block in the second half."""
+    x, w, b, wd, bd = _leaves(i=40, dtype=torch.float32)
     x_lr = torch.randn(x.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
     b_lr = torch.randn(w.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
-    args = (x, w, b, wd, x_lr, b_lr, "silu", 1.0, 1.0, 0, 0.0, store, low_rank, backend)
+    args = (x, w, b, wd, x_lr, b_lr, "silu", 1.0, 1.0, 0, 0.0, store, split_at, low_rank, backend)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if not store:
         utils += ("test_aot_dispatch_dynamic",)
@@ -103,10 +107,13 @@ def test_checkpoint_recomputation_stops_before_the_down_gemm(mode, after, monkey
 def test_opcheck_dpreact(backend):
     m, k, i = 9, 32, 24
     for dh_in in (None, torch.randn(m, i, device=DEVICE)):
-        args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE),
-                torch.randn(m, 2 * i, device=DEVICE), dh_in, "gelu_tanh", 1.0, 1.0, 0, 0.0, backend)
-        result = torch.library.opcheck(gated_mlp_dpreact_op, args)
-        assert set(result.values()) == {"SUCCESS"}, result
+        for split_at in (0, 16):
+            preact = torch.randn(m, 2 * i, device=DEVICE)
+            halves = (preact[:, :2 * split_at].clone(), preact[:, 2 * split_at:].clone()) if split_at else (preact, None)
+            args = (torch.randn(m, k, device=DEVICE), torch.randn(k, i, device=DEVICE), *halves, dh_in, "gelu_tanh",
+                    1.0, 1.0, 0, 0.0, backend)
+            result = torch.library.opcheck(gated_mlp_dpreact_op, args)
+            assert set(result.values()) == {"SUCCESS"}, result
 
 
 def _saved_by_forward(mode, requires_grad=True, no_grad=False, bias=True):
@@ -181,25 +188,24 @@ def test_torch_compile_store_mode_gradients_equal_eager():
 
 
 @pytest.mark.parametrize("backend", ["torch", BACKEND])
-@pytest.mark.parametrize("store", [True, False])
-@pytest.mark.parametrize("low_rank", [False, True])
-def test_the_eager_function_equals_the_registered_op(backend, store, low_rank, monkeypatch):
+@pytest.mark.parametrize("store, split_at, low_rank", OP_CASES)
+def test_the_eager_function_equals_the_registered_op(backend, store, split_at, low_rank, monkeypatch):
     """`GatedMlp` (what eager calls run) gives the registered op's outputs and gradients bit for
     bit, and its forward and backward never enter torch.library's dispatch."""
-    x, w, b, wd, _ = _leaves(dtype=torch.float32)
+    x, w, b, wd, _ = _leaves(i=40, dtype=torch.float32)
     x_lr = torch.randn(x.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
     b_lr = torch.randn(w.shape[0], 5, device=DEVICE, requires_grad=True) if low_rank else None
     leaves = [t for t in (x, w, b, wd, x_lr, b_lr) if t is not None]
-    args = (x, w, b, wd, x_lr, b_lr, "gelu_tanh", 0.9, 1.1, 0, 0.0, store, low_rank, backend)
+    args = (x, w, b, wd, x_lr, b_lr, "gelu_tanh", 0.9, 1.1, 0, 0.0, store, split_at, low_rank, backend)
     dy = torch.randn(x.shape[0], wd.shape[0], device=DEVICE)
     dh = torch.randn(x.shape[0], wd.shape[1], device=DEVICE)
 
     def run(fn):
-        h, preact, route = fn(*args)
+        h, preact, preact_hi, route = fn(*args)
         y = GatedMlpDown.apply(h, wd, None, route)
         outs = (y, h) if low_rank else (y,)
         grads = torch.autograd.grad(outs, leaves, (dy, dh) if low_rank else (dy,))
-        return [h.detach(), preact.detach().clone()] if not store else [h.detach()], grads
+        return [h.detach(), preact.detach().clone(), preact_hi.detach().clone()] if not store else [h.detach()], grads
 
     want = run(gated_mlp_op)
     monkeypatch.setattr(torch._library.custom_ops.CustomOpDef, "__call__", None)  # no registered op may run
