@@ -92,10 +92,10 @@ def test_one_side_frozen(trainable, split_from_one_token, splits):
 
 def test_low_rank_down_gradient_reaches_both_halves(splits, monkeypatch):
     """return_h: a gradient on h (adapters on down_proj) enters each half's backward GEMM; the
-    result equals the unsplit op's."""
+    result equals the unsplit op's to fp32 rounding."""
     dtype = torch.float32
     x, gate, up, bg, bu, wd, bd, dy = mlp_case(9, 40, 48, dtype, bias=True)
-    dh = torch.randn(9, 48)
+    dh = torch.randn(9, 48, device=x.device)
     grads = []
     for minimum in (1, 10**9):
         monkeypatch.setattr(training, "SPLIT_MIN_TOKENS", minimum)
@@ -105,8 +105,8 @@ def test_low_rank_down_gradient_reaches_both_halves(splits, monkeypatch):
         torch.autograd.backward((y, h), (dy, dh))
         grads.append([t.grad for t in leaves])
     assert splits == [16, 0]
-    for split, whole in zip(*grads):
-        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    for name, split, whole in zip(("dx", "dW", "db", "dWd"), *grads):
+        assert rel_err(split, whole) < 1e-5, name  # fp32: only the order of the sums differs
 
 
 def test_the_first_half_is_freed_and_a_second_backward_raises(split_from_one_token, monkeypatch):
