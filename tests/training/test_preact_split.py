@@ -134,3 +134,14 @@ def test_the_first_half_is_freed_and_a_second_backward_raises(split_from_one_tok
 def test_never_under_torch_compile(split_from_one_token, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert preact_split(torch.empty(8, 4), 64) == 0
+
+
+def test_store_saves_the_two_halves_only(split_from_one_token):
+    """Beyond x and the weights, exactly P's two halves: [M, 2s] and [M, 2(I - s)], 2*M*I elements."""
+    x, gate, up, bg, bu, wd, bd, _ = mlp_case(7, 40, 53, KERNEL_DTYPES[-1], bias=True)
+    leaves = [t.clone().requires_grad_() for t in (x, packed_of(gate, up), packed_of(bg, bu), wd, bd)]
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        gated_mlp(leaves[0], PackedGateUp(leaves[1], leaves[2]), leaves[3], leaves[4], "silu", "store", BACKEND)
+    extra = [tuple(t.shape) for t in packed if not any(t.data_ptr() == s.data_ptr() for s in leaves)]
+    assert extra == [(7, 32), (7, 74)], extra
