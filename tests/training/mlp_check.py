@@ -23,6 +23,7 @@ EPILOGUES = [
     GatedEpilogue("silu", limit=1.0, clamp="activation"),
     GatedEpilogue("gelu_tanh", gate_scale=2.0, limit=2.5),
 ]
+ALL_EPILOGUES = EPILOGUES + [GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation")]
 NAMES = ("y", "dx", "dW_gate_up", "db_gate_up", "dW_down", "db_down")
 
 

@@ -12,6 +12,7 @@ with the kernels or with training.py's written-out formulas.
 import pytest
 import torch
 from helpers import CUDA, DEVICE, EPS, KERNEL_DTYPES, check, epilogue64, make_case, packed_of, rel_err
+from training.mlp_check import ALL_EPILOGUES as EPILOGUES
 
 from swiglu_patch.kernels.configs import GatedGemmConfig as C
 from swiglu_patch.kernels.configs import m_bucket
@@ -21,14 +22,6 @@ from swiglu_patch.kernels.layout import interleave_gate_up, split_interleaved
 from swiglu_patch.kernels.rules import BACKWARD_KERNELS, BACKWARD_RULES
 
 TMA_DTYPES = [torch.float16] + ([torch.bfloat16] if CUDA else [])
-EPILOGUES = [
-    "silu", "gelu_tanh", "gelu",
-    GatedEpilogue("silu", gate_scale=0.8839, out_scale=0.5859),
-    GatedEpilogue("silu", limit=1.0, clamp="gate"),
-    GatedEpilogue("silu", limit=1.0, clamp="activation"),
-    GatedEpilogue("gelu_tanh", gate_scale=2.0, limit=2.5),
-    GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation"),
-]
 # Interpreter tiles: many tiles and K steps, masked tails; the GPU takes the rules' tiles.
 SMALL_FWD = {"pointer": C(32, 32, 32, group_m=2), "tma": C(16, 16, 16, group_m=2)}
 SMALL_BWD = {"backward_pointer": C(32, 32, 32, group_m=2), "backward_tma": C(16, 32, 16, group_m=2)}

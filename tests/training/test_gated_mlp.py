@@ -11,8 +11,8 @@ epsilon. On CPU the Triton backend runs under the interpreter in fp32/fp16; on t
 import pytest
 import torch
 from helpers import CUDA, EPS, KERNEL_DTYPES, epilogue64, packed_of, rel_err
-from training.mlp_check import (BACKEND, EPILOGUES, NAMES, _describe, _strided, check_all, mlp_case, reference64,
-                                run_ours, same_dtype)
+from training.mlp_check import (ALL_EPILOGUES, BACKEND, EPILOGUES, NAMES, _describe, _strided, check_all, mlp_case,
+                                reference64, run_ours, same_dtype)
 
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.layout import PackedGateUp
@@ -107,7 +107,6 @@ def test_triton_and_torch_backends_agree(mode):
 # -- the written-out backward formulas, by gradcheck in float64 ----------------------------
 
 
-ALL_EPILOGUES = EPILOGUES + [GatedEpilogue("gelu", out_scale=1.5, limit=0.8, clamp="activation")]
 
 
 @pytest.mark.parametrize("epilogue", ALL_EPILOGUES, ids=_describe)
