@@ -16,7 +16,11 @@ its routing weights fp32 (:class:`~swiglu_patch.memory.moe_shape.MoeLayout`), el
   the inverse permutation and the weighted rows put back in (token, slot) order [S, K]; the sum
   over slots [T, K]. The permuted copy of x, the down output and the weighted rows live until
   the function returns: for Qwen3-30B-A3B (K = 2048, I_e = 768) the peak is at the un-permute,
-  4 S K e, not at the gate (S K e + 4 S I_e e).
+  4 S K e, not at the gate (S K e + 4 S I_e e). Up to transformers 5.17 (`hf_masks_sentinels`)
+  the path also masks expert-parallel sentinel rows on every call: a bool [S] mask, and gate_up
+  and down each copied by an out-of-place ``masked_fill`` (both copies alive for a moment); from
+  5.18 it masks only under expert parallelism. Up to 5.23 DeepSeek's and GLM's router also
+  casts its weight to fp32 on every call ([E, K] fp32 beside x's fp32 copy).
 - **Experts, fused** (swiglu-patch, `kernels/experts.py` and `experts_gemm.py`): the output
   out [T, K] first (the combine writes it last); the routing metadata of `experts_routing`: the
   pairs sorted into per-expert blocks of BLOCK_M rows (int64 [capacity], capacity = S + min(S, E)
@@ -36,6 +40,8 @@ Allocations inside one op (the grouped GEMM's workspace) are not counted.
 """
 
 from __future__ import annotations
+
+from .hf_releases import hf_casts_router_weight, hf_masks_sentinels
 
 _F32, _I64, _I32 = 4, 8, 4
 
@@ -75,8 +81,10 @@ def _router(walk, tag: str) -> tuple[str, str, str]:
     logits, weights, ids = f"{tag}.logits", f"{tag}.topk_w", f"{tag}.topk_ids"
     if lay.router == "sigmoid_group":  # fp32 linear on an fp32 copy of x, sigmoid, masked grouped top-k
         ls.alloc(f"{tag}.x32", T * K * _F32 if e < _F32 else 0, "mlp", f"{w} x.float()")
+        ls.alloc(f"{tag}.w32", E * K * _F32 if e < _F32 and hf_casts_router_weight() else 0, "mlp",
+                 f"{w} weight.float()")
         ls.alloc(logits, T * E * _F32, "mlp", f"{w} logits")
-        ls.free(f"{tag}.x32")
+        ls.free(f"{tag}.x32", f"{tag}.w32")
         ls.alloc(f"{tag}.scores", T * E * _F32, "mlp", f"{w} sigmoid")
         ls.alloc(f"{tag}.choice", T * E * _F32, "mlp", f"{w} scores + bias")
         ls.alloc(f"{tag}.mask", T * E * _F32, "mlp", f"{w} group mask")
@@ -126,9 +134,14 @@ def _experts_grouped_mm(walk, tag: str, _weights: str) -> str:
     ls.alloc(n("histc_in"), S * 4, "mlp", f"{w} histc input")
     ls.alloc(n("counts"), E * 4, "mlp", f"{w} tokens per expert")
     ls.alloc(n("offsets"), E * _I32, "mlp", f"{w} offsets")
+    masks = hf_masks_sentinels()
+    if masks:
+        ls.alloc(n("sentinel"), S, "mlp", f"{w} sentinel mask (bool)")
     if lay.expert_bias:
         ls.alloc(n("bias"), S * 2 * I * e, "mlp", f"{w} gate_up bias per pair")
     ls.alloc(n("gate_up"), S * 2 * I * e, "mlp", f"{w} gate_up")
+    if masks:
+        _masked_copy(ls, n("gate_up"), S * 2 * I * e, w)
     if lay.gate == "clamp":  # gpt-oss: clamp both halves, gate * sigmoid(alpha * gate), (up + 1) * glu
         ls.alloc(n("gate_c"), S * I * e, "mlp", f"{w} gate.clamp")
         ls.alloc(n("up_c"), S * I * e, "mlp", f"{w} up.clamp")
@@ -150,6 +163,8 @@ def _experts_grouped_mm(walk, tag: str, _weights: str) -> str:
         ls.free(n("bias"))
     ls.alloc(n("down"), S * K * e, "mlp", f"{w} down")
     ls.free(n("h"))
+    if masks:
+        _masked_copy(ls, n("down"), S * K * e, w)
     ls.alloc(n("weighted"), S * K * ob, "mlp", f"{w} down * routing weight")
     ls.alloc(n("inv_perm"), S * _I64, "mlp", f"{w} inverse permutation")
     ls.alloc(n("arange"), S * _I64, "mlp", f"{w} arange")
@@ -163,8 +178,16 @@ def _experts_grouped_mm(walk, tag: str, _weights: str) -> str:
         ls.free(out)
         out = n("out_cast")
     ls.free(*(n(s) for s in ("ids_sorted", "perm", "x_g", "w_g", "histc_in", "counts", "offsets", "bias_down",
-                             "down", "unperm", "inv_perm")))
+                             "down", "unperm", "inv_perm", "sentinel")))
     return out
+
+
+def _masked_copy(ls, name: str, nbytes: int, where: str) -> None:
+    """``t = t.masked_fill(sentinel_mask, 0)``: a copy of ``name`` beside it, then the original freed;
+    the copy keeps the name."""
+    ls.alloc(f"{name} (masked)", nbytes, "mlp", f"{where} masked_fill")
+    ls.free(name)
+    ls.rename(f"{name} (masked)", name, "mlp")
 
 
 def _experts_fused(walk, tag: str, _weights: str) -> str:

@@ -4,7 +4,8 @@ Counted from the config alone: embeddings V*K (plus an untied lm_head V*K), per 
 q/k/v/o projections (and their biases), the three MLP matrices 3*K*I, and the norm weights
 (2 or 4 per layer of K, q/k norms of D, the final norm of K). Under tensor parallelism every
 matrix (and the vocabulary) splits ``tp`` ways and the norm weights are replicated; replicated
-key/value heads (KV < tp) are counted once per GPU, as vLLM stores them.
+key/value heads (KV < tp) are counted once per GPU, as vLLM stores them. transformers up to 5.20
+keeps an untied input embedding whole on every rank (`hf_releases`), and is counted so there.
 
 Mixture-of-experts layers count every expert (all are resident): E x 3*K*I_e (gpt-oss adds
 its per-expert biases), the shared expert's 3*K*I_s, and the router's E*K (replicated under
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from swiglu_patch.memory.hf_releases import hf_shards_input_embedding
 from swiglu_patch.memory.shape import ModelShape
 
 WEIGHT_DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
@@ -115,4 +117,7 @@ def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int 
         L, K, D = shape.num_layers, shape.hidden_size, shape.head_dim
         sharded_kv = L * 2 * K * shape.kv_dim / tp
         attention += L * 2 * K * per_gpu.num_kv_heads * D - sharded_kv
-    return (p.embedding / tp + attention + p.mlp / tp + p.router + p.norms) * WEIGHT_DTYPE_BYTES[weight_dtype]
+    embedding = p.embedding / tp
+    if tp > 1 and not shape.tie_word_embeddings and not hf_shards_input_embedding():
+        embedding += shape.vocab_size * shape.hidden_size * (1 - 1 / tp)  # the input embedding whole on each rank
+    return (embedding + attention + p.mlp / tp + p.router + p.norms) * WEIGHT_DTYPE_BYTES[weight_dtype]

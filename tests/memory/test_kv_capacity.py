@@ -153,6 +153,7 @@ def test_capacity_gemma2_9b_hand_worked(gemma2_9b):
     assert r.tokens_eager_capped == (usable - weights - act_eager) * 8192 // 2_113_929_216 == 227_735
 
 
+@pytest.mark.usefixtures("newest_transformers")
 def test_tensor_parallel_shares(llama8b):
     r1 = kv_capacity(llama8b, gpu_mem_gib=80, tp=1)
     r2 = kv_capacity(llama8b, gpu_mem_gib=80, tp=2)
@@ -274,3 +275,19 @@ def test_cli_all_presets_writes_json_markdown_and_plot(tmp_path, capsys):
     assert all(r["tokens_fused_full"] >= r["tokens_eager_full"] > 0 for r in payload["results"])
     assert (tmp_path / "kv.md").read_text().count("\n| ") == len(list_presets())
     assert plot.stat().st_size > 10_000
+
+
+def test_transformers_up_to_5_20_keeps_an_untied_input_embedding_whole(llama8b, monkeypatch):
+    """Measured on CPU under 5.17 and 5.20 (`tp_plan="auto"`, 2 ranks; 5.21 shards it): an untied input
+    embedding stays whole on every rank, so each rank holds (1 - 1/tp) V K more; a tied one is sharded with
+    the head either way, and tp = 1 shards nothing."""
+    from swiglu_patch.memory import hf_releases
+
+    llama1b = resolve_model("llama-3.2-1b").shape()  # tied
+    monkeypatch.setattr(hf_releases, "installed_transformers", lambda: None)
+    newest = {(s.name, tp): weight_bytes_per_gpu(s, "bf16", tp) for s in (llama8b, llama1b) for tp in (1, 4)}
+    monkeypatch.setattr(hf_releases, "installed_transformers", lambda: (5, 20))
+    assert weight_bytes_per_gpu(llama8b, "bf16", 4) == newest[llama8b.name, 4] + 128256 * 4096 * 3 / 4 * 2
+    for key in ((llama8b.name, 1), (llama1b.name, 1), (llama1b.name, 4)):
+        shape = llama8b if key[0] == llama8b.name else llama1b
+        assert weight_bytes_per_gpu(shape, "bf16", key[1]) == newest[key]

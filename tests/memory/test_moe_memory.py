@@ -14,6 +14,7 @@ import pytest
 import torch
 from memory.live_tensors import cpu_measure
 
+from swiglu_patch.memory import hf_releases
 from swiglu_patch.memory.activation_model import predict_mlp_peak, predict_moe_peak, predict_prefill_peak
 from swiglu_patch.memory.configs import resolve_model
 from swiglu_patch.memory.shape import DECODER_LAYOUTS, ModelShape
@@ -110,6 +111,9 @@ def test_unmodelled_hf_attention_is_refused_and_flash_predicts():
 
 # -- hand-worked experts blocks -------------------------------------------------------------------
 
+
+
+@pytest.mark.usefixtures("newest_transformers")
 def test_qwen3_30b_a3b_block_hand_worked():
     shape = resolve_model("qwen3-30b-a3b").shape()
     T, k, E, K, I, e = 512, 8, 128, 2048, 768, 2
@@ -128,6 +132,7 @@ def test_qwen3_30b_a3b_block_hand_worked():
     assert predict_moe_peak(shape, T, fused=True).bytes == fused == 25_436_656
 
 
+@pytest.mark.usefixtures("newest_transformers")
 def test_mixtral_block_peaks_at_the_gate_with_fp32_routing():
     shape = resolve_model("mixtral-8x7b").shape()
     T, k, E, K, I, e = 512, 2, 8, 4096, 14336, 2
@@ -141,6 +146,7 @@ def test_mixtral_block_peaks_at_the_gate_with_fp32_routing():
     assert fused.bytes == router + T * K * e + rows * 8 + rows // 64 * 8 + S * I * e + S * K * e
 
 
+@pytest.mark.usefixtures("newest_transformers")
 def test_gpt_oss_clamped_gate_and_biases():
     shape = resolve_model("gpt-oss-20b").shape()
     T, k, E, K, I, e = 256, 4, 32, 2880, 2880, 2
@@ -152,6 +158,7 @@ def test_gpt_oss_clamped_gate_and_biases():
     assert predict_moe_peak(shape, T, fused=False).bytes == eager
 
 
+@pytest.mark.usefixtures("newest_transformers")
 def test_deepseek_v3_tp8_hand_worked():
     shape = resolve_model("deepseek-v3").shape().sharded(8)
     T, k, E, K, I, e = 64, 8, 256, 7168, 2048 // 8, 2
@@ -226,6 +233,7 @@ def test_kv_bytes_of_moe_presets():
     assert kv_bytes_per_sequence(gpt, 8192) == 2 * 8 * 64 * 2 * (12 * 8192 + 12 * 128)
 
 
+@pytest.mark.usefixtures("newest_transformers")
 def test_moe_weights_count_every_expert_and_replicate_the_router():
     from swiglu_patch.memory.weights import weight_bytes_per_gpu
 
@@ -348,3 +356,21 @@ def test_fused_experts_walk_matches_live_tensors_under_the_interpreter(model_typ
             measured = cpu_measure(lambda: model.model.layers[layer].mlp(x), x, *_existing(model))
         predicted = predict_moe_peak(shape, tokens, fused=True, dtype_bytes=4)
         assert predicted.bytes + scratch == measured, (tokens, predicted.where)
+
+
+@pytest.mark.parametrize("name, tokens", [("mixtral-8x7b", 512), ("qwen3-30b-a3b", 512), ("deepseek-v3", 1)])
+def test_transformers_up_to_5_17_allocate_more(name, tokens, monkeypatch):
+    """What the walk adds for the GPU image's transformers 5.17 (measured against it to the byte by the
+    live-tensor tests above when it is installed): the bool sentinel mask [S] beside peaks that the two
+    masked_fill copies do not raise, and, for DeepSeek's router, its weight cast to fp32 beside x's fp32
+    copy and the logits, which sets a one-token block's peak."""
+    shape = resolve_model(name).shape()
+    monkeypatch.setattr(hf_releases, "installed_transformers", lambda: None)
+    newest = predict_moe_peak(shape, tokens, fused=False).bytes
+    monkeypatch.setattr(hf_releases, "installed_transformers", lambda: (5, 17))
+    older = predict_moe_peak(shape, tokens, fused=False)
+    E, K, S = shape.moe.num_experts, shape.hidden_size, tokens * shape.moe.top_k
+    if name == "deepseek-v3":
+        assert older.bytes == tokens * K * 4 + E * K * 4 + tokens * E * 4 and "router" in older.where
+    else:
+        assert older.bytes == newest + S
