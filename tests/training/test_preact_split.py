@@ -40,7 +40,8 @@ def test_the_rule():
     x = torch.empty(SPLIT_MIN_TOKENS, 8)
     assert preact_split(x, 14336) == 7168
     assert preact_split(x, 3584 + 8) == 1792  # a block boundary at or below I / 2
-    assert preact_split(x, 50) == 0  # I / 2 holds no whole block... and M > 2 (I - s) besides
+    assert preact_split(torch.empty(4 * SPLIT_MIN_TOKENS, 8), 40) == 0  # I / 2 = 20 holds one block; M > 2(I - s)
+    assert preact_split(x, 30) == 0  # I / 2 = 15: no whole block
     assert preact_split(torch.empty(SPLIT_MIN_TOKENS - 1, 8), 14336) == 0  # too few tokens to pay two launches
     assert preact_split(torch.empty(2 * (14336 - 7168) + 1, 8), 14336) == 0  # dx's part would not fit in dW
     assert preact_split(x, 14336) % GATE_UP_BLOCK == 0
