@@ -1,6 +1,7 @@
 """Training at the MLP level: forward + backward of one gated MLP, HF eager against Liger, quack
-(where installed) and swiglu-patch's `gated_mlp` (store and recompute modes; the modules are `harness/train_mlps.py`),
-with gradients checked against float64.
+(where installed) and swiglu-patch's `gated_mlp` (store and recompute modes, and store with P in one tensor,
+`ours_store_one_p`, the A/B of `training.preact_split`; the modules are `harness/train_mlps.py`), with gradients
+checked against float64.
 
     python -m benchmarks.bench_train --out DIR [--commit SHA] [--budget-s 420]
     python -m benchmarks.bench_train --dry-run --out /tmp/x      # CPU: tiny shapes, interpreter
