@@ -4,11 +4,12 @@ installed release, and models the newest code where transformers is not installe
 - up to 5.17, the grouped_mm experts path masks expert-parallel sentinel rows on every call
   (`hf_masks_sentinels`; `moe_walk`);
 - up to 5.20, loading with ``tp_plan="auto"`` leaves an untied input embedding whole on every rank
-  (`hf_shards_input_embedding`; `weights.weight_bytes_per_gpu`);
+  (`hf_shards_input_embedding`; `weights.weight_bytes_per_gpu` with ``hf_tp_plan``);
 - up to 5.23, DeepSeek's and GLM's router casts its weight to fp32 on every call
   (`hf_casts_router_weight`; `moe_walk`).
 
-Each was measured against that release's own allocations on CPU (tests/memory, tests/distributed).
+Each was measured on CPU under 5.17 against the live tensors (tests/memory, tests/distributed); the release
+where each changed was read from the code of 5.18-5.23, and, for the embedding, by loading under 5.20-5.23.
 """
 
 from __future__ import annotations

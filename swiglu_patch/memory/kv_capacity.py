@@ -219,7 +219,7 @@ def kv_capacity(
     _check_settings(gpu_mem_gib=gpu_mem_gib, chunk_tokens=chunk_tokens, mem_fraction=mem_fraction, seq_len=seq_len,
                     overhead_gib=overhead_gib, runtime=runtime)
     per_gpu = shape.sharded(tp)
-    weights = int(round(weight_bytes_per_gpu(shape, weight_dtype, tp)))
+    weights = int(round(weight_bytes_per_gpu(shape, weight_dtype, tp, hf_tp_plan=runtime == "hf")))
     peaks = {fused: predict_prefill_peak(per_gpu, 1, chunk_tokens, fused=fused, dtype_bytes=ACTIVATION_BYTES,
                                          use_cache=False, logits_to_keep=1, attention="flash",
                                          server_kernels=runtime == "server")

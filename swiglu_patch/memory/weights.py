@@ -4,8 +4,9 @@ Counted from the config alone: embeddings V*K (plus an untied lm_head V*K), per 
 q/k/v/o projections (and their biases), the three MLP matrices 3*K*I, and the norm weights
 (2 or 4 per layer of K, q/k norms of D, the final norm of K). Under tensor parallelism every
 matrix (and the vocabulary) splits ``tp`` ways and the norm weights are replicated; replicated
-key/value heads (KV < tp) are counted once per GPU, as vLLM stores them. transformers up to 5.20
-keeps an untied input embedding whole on every rank (`hf_releases`), and is counted so there.
+key/value heads (KV < tp) are counted once per GPU, as vLLM stores them. Loaded by transformers'
+own ``tp_plan`` (``hf_tp_plan``), an untied input embedding stays whole on every rank up to
+transformers 5.20 (`hf_releases`), and the count follows the installed release.
 
 Mixture-of-experts layers count every expert (all are resident): E x 3*K*I_e (gpt-oss adds
 its per-expert biases), the shared expert's 3*K*I_s, and the router's E*K (replicated under
@@ -97,13 +98,15 @@ def _mla_params(s: ModelShape) -> tuple[int, int, int]:
     return weights, replicated, a.q_lora_rank + a.kv_lora_rank
 
 
-def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int = 1) -> float:
+def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int = 1, hf_tp_plan: bool = False) -> float:
     """Bytes of weights one GPU holds under tensor parallelism ``tp``.
 
     Args:
         shape: the whole model (not sharded).
         weight_dtype: a key of :data:`WEIGHT_DTYPE_BYTES` (quantization scales are not counted).
         tp: tensor-parallel degree.
+        hf_tp_plan: sharded as transformers' own ``tp_plan`` loads it (the installed release's layout),
+            not as a serving engine does.
 
     Raises:
         ValueError: unknown dtype, or a tp that does not divide the heads / I (see ``ModelShape.sharded``).
@@ -118,6 +121,6 @@ def weight_bytes_per_gpu(shape: ModelShape, weight_dtype: str = "bf16", tp: int 
         sharded_kv = L * 2 * K * shape.kv_dim / tp
         attention += L * 2 * K * per_gpu.num_kv_heads * D - sharded_kv
     embedding = p.embedding / tp
-    if tp > 1 and not shape.tie_word_embeddings and not hf_shards_input_embedding():
+    if hf_tp_plan and tp > 1 and not shape.tie_word_embeddings and not hf_shards_input_embedding():
         embedding += shape.vocab_size * shape.hidden_size * (1 - 1 / tp)  # the input embedding whole on each rank
     return (embedding + attention + p.mlp / tp + p.router + p.norms) * WEIGHT_DTYPE_BYTES[weight_dtype]

@@ -242,8 +242,8 @@ def test_per_rank_memory_matches_the_memory_model(ranks, checkpoints):
         per_rank = shape.sharded(tp)
         weight_gap, bias_add = _down_bias_gaps(config, tp)
         expected = {
-            "weight_bytes_plain": weight_bytes_per_gpu(shape, "fp32", tp) + weight_gap,
-            "weight_bytes_patched": weight_bytes_per_gpu(shape, "fp32", tp) + weight_gap,
+            "weight_bytes_plain": weight_bytes_per_gpu(shape, "fp32", tp, hf_tp_plan=True) + weight_gap,
+            "weight_bytes_patched": weight_bytes_per_gpu(shape, "fp32", tp, hf_tp_plan=True) + weight_gap,
             "kv_bytes_per_token": kv_bytes_per_token(shape, "fp32", tp),
             "mlp_peak_eager": predict_mlp_peak(per_rank, MLP_TOKENS, fused=False, dtype_bytes=4).bytes,
             "mlp_peak_fused": predict_mlp_peak(per_rank, MLP_TOKENS, fused=True, dtype_bytes=4).bytes + bias_add,

@@ -278,16 +278,19 @@ def test_cli_all_presets_writes_json_markdown_and_plot(tmp_path, capsys):
 
 
 def test_transformers_up_to_5_20_keeps_an_untied_input_embedding_whole(llama8b, monkeypatch):
-    """Measured on CPU under 5.17 and 5.20 (`tp_plan="auto"`, 2 ranks; 5.21 shards it): an untied input
-    embedding stays whole on every rank, so each rank holds (1 - 1/tp) V K more; a tied one is sharded with
-    the head either way, and tp = 1 shards nothing."""
+    """Measured on CPU under 5.17 and 5.20 (`tp_plan="auto"`, 2 ranks; 5.21 shards it): loaded by
+    transformers' own tp_plan, an untied input embedding stays whole on every rank, so each rank holds
+    (1 - 1/tp) V K more; a tied one is sharded with the head either way, tp = 1 shards nothing, and a
+    serving engine's count (the default) is unchanged."""
     from swiglu_patch.memory import hf_releases
 
     llama1b = resolve_model("llama-3.2-1b").shape()  # tied
     monkeypatch.setattr(hf_releases, "installed_transformers", lambda: None)
-    newest = {(s.name, tp): weight_bytes_per_gpu(s, "bf16", tp) for s in (llama8b, llama1b) for tp in (1, 4)}
+    newest = {(s.name, tp): weight_bytes_per_gpu(s, "bf16", tp, hf_tp_plan=True) for s in (llama8b, llama1b)
+              for tp in (1, 4)}
     monkeypatch.setattr(hf_releases, "installed_transformers", lambda: (5, 20))
-    assert weight_bytes_per_gpu(llama8b, "bf16", 4) == newest[llama8b.name, 4] + 128256 * 4096 * 3 / 4 * 2
+    assert weight_bytes_per_gpu(llama8b, "bf16", 4, hf_tp_plan=True) == newest[llama8b.name, 4] + 128256 * 4096 * 3 / 4 * 2
+    assert weight_bytes_per_gpu(llama8b, "bf16", 4) == newest[llama8b.name, 4]  # a serving engine shards it
     for key in ((llama8b.name, 1), (llama1b.name, 1), (llama1b.name, 4)):
         shape = llama8b if key[0] == llama8b.name else llama1b
-        assert weight_bytes_per_gpu(shape, "bf16", key[1]) == newest[key]
+        assert weight_bytes_per_gpu(shape, "bf16", key[1], hf_tp_plan=True) == newest[key]
