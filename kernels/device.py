@@ -3,6 +3,7 @@
 - `gpu_name`, `num_sms`, `capability`: from the CUDA device properties;
 - `interpreting`: whether Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 at
   the time Triton decorated them);
+- `interpreter_blocker`: why the installed Triton's interpreter cannot run them, or None;
 - `tma_aligned`, `tma_operands_ok`: whether tensors can be read or written through TMA descriptors
   (the constraint is `configs.TMA_NEEDS`).
 """
@@ -47,6 +48,29 @@ def interpreting() -> bool:
     swiglu_patch's kernels are first imported.
     """
     return type(_probe_kernel).__name__ == "InterpretedFunction"
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "3.6.0" -> (3, 6), "2.4.0rc1" -> (2, 4)."""
+    major, minor = (version.split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+@lru_cache(maxsize=1)
+def interpreter_blocker() -> str | None:
+    """Why Triton's CPU interpreter cannot run the kernels with the installed packages (a message
+    naming the fix), or None.
+
+    Triton 3.6's interpreter turns a kernel's integer arguments into one-element NumPy arrays and
+    converts them back with ``int(array)``, which NumPy 2.4 made an error ("only 0-dimensional
+    arrays can be converted to Python scalars"); Triton 3.7 squeezes the array first.
+    """
+    import numpy
+
+    if _release(triton.__version__) < (3, 7) and _release(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run under NumPy {numpy.__version__} (it converts "
+                "one-element arrays to ints, an error since NumPy 2.4): pip install 'numpy<2.4', or 'triton>=3.7'")
+    return None
 
 
 def tma_aligned(t: torch.Tensor) -> bool:

@@ -35,7 +35,7 @@ from . import (experts_backward_gemm, experts_gemm, experts_gemv, experts_gemv_t
                gated_backward_split, gated_backward_tma, gated_backward_ws, gated_gemm_pointer, gated_gemm_tma,
                gated_gemm_tma_grid, gated_gemv)
 from .configs import GatedGemmConfig, m_bucket
-from .device import capability, gpu_name, interpreting
+from .device import capability, gpu_name, interpreter_blocker, interpreting
 from .epilogue import GatedEpilogue
 from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank_operands, check_operands,
                        default_approx_tanh, output, resolve_approx_tanh)
@@ -59,8 +59,8 @@ OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABL
     "experts_backward": ("experts_backward", frozenset()),  # `experts_backward.experts_backward`
 }
 __all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "explain",
-           "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreting",
-           "mismatch", "refusal", "resolve_approx_tanh"]
+           "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreter_blocker",
+           "interpreting", "mismatch", "refusal", "resolve_approx_tanh"]
 
 
 @dataclasses.dataclass(frozen=True)

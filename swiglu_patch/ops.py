@@ -64,16 +64,21 @@ def resolve_backend(backend: str, device: torch.device, fn: str = "gated_linear"
 
     Raises:
         ValueError: an unknown backend name.
-        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1.
+        RuntimeError: "triton" on a non-CUDA device without TRITON_INTERPRET=1, or with an interpreter
+            that cannot run the kernels (`kernels.device.interpreter_blocker`).
     """
     if backend not in BACKENDS:
         raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not dispatcher().interpreting():
-        raise RuntimeError(f"{fn}: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use "
-                           "backend='torch'")
+    if backend == "triton" and device.type != "cuda":
+        if not dispatcher().interpreting():
+            raise RuntimeError(f"{fn}: backend='triton' on {device.type} tensors needs Triton's interpreter: set "
+                               "TRITON_INTERPRET=1 before importing swiglu_patch, move the tensors to CUDA, or use "
+                               "backend='torch'")
+        blocker = dispatcher().interpreter_blocker()
+        if blocker:
+            raise RuntimeError(f"{fn}: backend='triton' on {device.type} tensors: {blocker}; or use backend='torch'")
     return backend
 
 

@@ -69,6 +69,36 @@ def tiny_model(model_type: str, dtype=torch.float32, device="cpu", **overrides):
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
+
+
+def cpu_triton_refusal() -> str | None:
+    """Why this process cannot run the Triton kernels on CPU tensors, or None. A test that builds CPU
+    models with backend "triton" skips with it: on a GPU machine the interpreter is off (tests/training
+    and tests/moe run the compiled kernels there), and an interpreter can be one that cannot run them
+    (`interpreter_blocker`: Triton 3.6 under NumPy 2.4)."""
+    from swiglu_patch.kernels.device import interpreter_blocker, interpreting
+
+    if not interpreting():
+        return ("builds CPU models: the Triton path on CPU needs TRITON_INTERPRET=1 (tests/training and tests/moe "
+                "run the kernels on the GPU)")
+    return interpreter_blocker()
+
+
+def interpreter_subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs the kernels on CPU under Triton's interpreter (CUDA
+    hidden, so on a GPU machine too), offline. Skips the calling test where the installed Triton's
+    interpreter cannot run the kernels (`interpreter_blocker`)."""
+    import os
+
+    import pytest
+
+    from swiglu_patch.kernels.device import interpreter_blocker
+
+    blocker = interpreter_blocker()
+    if blocker:
+        pytest.skip(f"its subprocess runs the kernels in Triton's interpreter: {blocker}")
+    return {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "CUDA_VISIBLE_DEVICES": "", **extra}
 ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
 EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])

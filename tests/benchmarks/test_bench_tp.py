@@ -5,12 +5,12 @@ with eager; bad arguments are one-line errors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import interpreter_subprocess_env
 
 from benchmarks import bench_tp
 
@@ -21,7 +21,7 @@ def test_dry_run_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "benchmarks.bench_tp", "--dry-run", "--out", str(tmp_path / "out"), "--rounds", "1",
            "--model-dir", str(tmp_path / "model"), "--commit", "abc123"]
-    done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+    done = subprocess.run(cmd, cwd=ROOT, env=interpreter_subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "out" / "results.json").read_text())

@@ -6,12 +6,12 @@ one-line errors."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import interpreter_subprocess_env
 
 from benchmarks import bench_train_step
 
@@ -48,7 +48,7 @@ def test_fsdp2_dry_run_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "benchmarks.bench_train_step", "--fsdp2", "--dry-run", "--out", str(tmp_path), "--checkpointing", "off",
            *FAST]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = interpreter_subprocess_env(OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "results.json").read_text())

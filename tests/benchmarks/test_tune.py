@@ -13,6 +13,7 @@ from benchmarks import tune
 from benchmarks.harness import sweep_candidates
 from benchmarks.harness.shapes import SHAPES, TP_SHARD_SHAPES
 from swiglu_patch.kernels import (dispatch, gated_gemm_pointer, gated_gemm_tma, gated_gemm_tma_grid, gated_gemv)
+from swiglu_patch.kernels.device import interpreting
 from swiglu_patch.kernels.epilogue import GatedEpilogue
 from swiglu_patch.kernels.rules import BACKWARD_KERNELS, KERNELS
 
@@ -22,6 +23,8 @@ SWEEP_TOKENS = {"buckets": [1, 32, 64, 128, 512, 8192], "decode": [1, 16], "gemv
                 "tail": [256, 2048], "midocc": [32, 64], "paired": [64, 512], "backward": [4096], "backward_variants": [4096],
                 "backward_ws": [4096],
                 "preact": [4096]}
+# The dry run and these checks run the kernels on CPU tensors: Triton's interpreter (a GPU machine runs the sweeps).
+on_the_interpreter = pytest.mark.skipif(not interpreting(), reason="the dry run is the CPU interpreter's")
 
 
 def _shipped(k, i):
@@ -54,6 +57,7 @@ def test_every_candidate_is_a_config_its_kernel_takes(sweep):
                 assert config.block_n % 16 == 0 or kernel == "pointer"  # whole gate/up blocks per TMA box / GEMV
 
 
+@on_the_interpreter
 def test_dry_run_checks_and_times_against_the_shipped_rule(tmp_path):
     assert tune.main(["--dry-run", "--out", str(tmp_path), "--sweep", "decode", "--commit", "abc123"]) == 0
     data = json.loads((tmp_path / "tune.json").read_text())
@@ -70,6 +74,7 @@ def test_dry_run_checks_and_times_against_the_shipped_rule(tmp_path):
     assert "# Sweep `decode` (float16)" in md and "bucket 1:" in md and "bucket 8:" in md
 
 
+@on_the_interpreter
 @pytest.mark.parametrize("sweep", ["backward", "backward_variants", "preact"])
 def test_the_training_sweeps_check_both_outputs_against_float64(tmp_path, sweep):
     assert tune.main(["--dry-run", "--out", str(tmp_path), "--sweep", sweep, "--tokens", "7", "33",
@@ -85,6 +90,7 @@ def test_the_training_sweeps_check_both_outputs_against_float64(tmp_path, sweep)
     assert all(r["ratio"] > 0 and r["rel_err"] < 2e-3 for r in ok)
 
 
+@on_the_interpreter
 def test_a_wrong_output_fails_the_check():
     from benchmarks.harness.accuracy import Reference
     from benchmarks.harness.sweep_ops import build_op
@@ -103,6 +109,7 @@ def test_a_wrong_output_fails_the_check():
         assert 1e-4 < op.error(outs) < 1.0, name
 
 
+@on_the_interpreter
 def test_gemv_needs_whole_blocks_and_is_recorded_not_timed(tmp_path):
     # tiny-gelu-tanh has I = 40: not whole 16-row blocks, so the GEMV refuses it with the fix in its error
     assert tune.main(["--dry-run", "--out", str(tmp_path), "--sweep", "gemv", "--tokens", "1",

@@ -204,6 +204,19 @@ def test_eval_triton_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatc
     assert not out.exists()
 
 
+def test_eval_triton_on_cpu_with_a_blocked_interpreter(tmp_path, capsys, monkeypatch):
+    from swiglu_patch.kernels import device
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(device, "interpreter_blocker", lambda: "Triton 3.6.0's interpreter cannot run under NumPy 2.4.0")
+    model = tmp_path / "model"
+    model.mkdir()
+    out = tmp_path / "out"
+    argv = ["eval", "--model", model, "--text", __file__, "--backend", "triton", "--device", "cpu", "--output-dir", out]
+    assert_one_line_error(run_cli(argv, capsys), "--backend triton on cpu", "NumPy 2.4.0", "--backend auto")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--text", "x.txt", "--text-dataset", "y.jsonl"], ["exactly one text"]),
     ([], ["nothing to do", "--tasks", "--text"]),

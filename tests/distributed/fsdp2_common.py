@@ -22,24 +22,21 @@ rate, and optionally "lora": a `peft.LoraConfig`'s keyword arguments}.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports triton
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from peft import LoraConfig, get_peft_model
 
-from peft import LoraConfig, get_peft_model  # noqa: E402
-
-from swiglu_patch import apply_fused_mlp  # noqa: E402
-from swiglu_patch.lora import register  # noqa: E402
+from swiglu_patch import apply_fused_mlp
+from swiglu_patch.lora import register
 
 FULL = StateDictOptions(full_state_dict=True)  # on every rank: set_model_state_dict needs it everywhere
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import interpreter_subprocess_env
 from transformers import AutoModelForCausalLM
 
 from swiglu_patch import apply_fused_mlp
@@ -31,8 +32,7 @@ def ranks_of(worker: Path, case: dict, out: Path, ranks: int, budget_s: int) -> 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the torchrun tests need it")
     (out / "case.json").write_text(json.dumps(case))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(worker.parent.parent)] + sys.path)}
+    env = interpreter_subprocess_env(PYTHONPATH=os.pathsep.join([str(worker.parent.parent)] + sys.path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(worker),
            str(out / "case.json"), str(out)]
     try:

@@ -17,7 +17,6 @@ gives the EP model back bit for bit.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import interpreter_subprocess_env
+from training_stack.training_common import train_backends
 
 from swiglu_patch import apply_fused_mlp, unpatch
 from zoo.tiny_zoo import build
@@ -53,13 +54,12 @@ def _single(family: str, backend: str, path: Path) -> dict:
             if hasattr(model.config, "num_local_experts") else model.config.num_experts}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", train_backends())  # its single-process reference runs in this process
 def test_ep_moe_experts_fused(backend, tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the EP tests need it")
     single = {f: _single(f, backend, tmp_path / f) for f in FAMILIES}
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = interpreter_subprocess_env(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(tmp_path), backend, str(tmp_path), *FAMILIES]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

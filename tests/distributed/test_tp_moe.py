@@ -7,7 +7,6 @@ model's, through the PyTorch path and the Triton kernels (interpreter); unpatch 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import interpreter_subprocess_env
 from transformers import AutoModelForCausalLM
 
 from zoo.tiny_zoo import build
@@ -33,8 +33,7 @@ def test_tp_qwen3_moe_experts_fused(backend, tmp_path):
     single = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     with torch.no_grad():
         ref = single(torch.tensor(IDS)).logits
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": ""}
+    env = interpreter_subprocess_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(tmp_path / "ckpt"), backend, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -10,7 +10,6 @@ error bounds), with the checkpoint files, and with swiglu_patch.memory's per-GPU
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import rel_err, tiny_model
+from helpers import interpreter_subprocess_env, rel_err, tiny_model
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,8 +61,7 @@ def ranks(request, checkpoints, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp(f"tp{tp}")
     cases = [dict(name=n, path=str(checkpoints[n]), expect=c[2], grad=n == "llama", ids=IDS) for n, c in CASES.items()]
     (out / "cases.json").write_text(json.dumps(cases))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "CUDA_VISIBLE_DEVICES": ""}  # CPU and gloo on a GPU machine too
+    env = interpreter_subprocess_env()  # CPU and gloo on a GPU machine too
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}",
            str(WORKER), str(out / "cases.json"), str(out)]
     try:

@@ -74,3 +74,11 @@ def test_slice_command_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--out", str(tmp_path / "out"), "--gguf", str(tmp_path / "none.gguf"), "--fixture", str(ROOT / FIXTURE)]) == 2
     err = capsys.readouterr().err.strip().split("\n")
     assert len(err) == 1 and err[0].startswith("python -m swiglu_patch.evals.gguf_slice: error:") and "none.gguf" in err[0]
+
+
+def test_slice_command_without_gguf_names_the_extra(tmp_path, capsys, monkeypatch):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)  # import gguf raises ImportError
+    assert main(["--out", str(tmp_path / "out"), "--gguf", str(tmp_path / "model.gguf"), "--fixture", str(ROOT / FIXTURE)]) == 2
+    err = capsys.readouterr().err.strip().split("\n")
+    assert len(err) == 1 and "real-model extra" in err[0] and "pip install -e '.[real-model]'" in err[0], err

@@ -109,6 +109,39 @@ def test_bf16_in_the_interpreter_is_refused():
         gated_linear(x, pack_gate_up(gate, up), backend="triton")
 
 
+@pytest.mark.parametrize("triton_version, numpy_version, blocked", [
+    ("3.6.0", "2.4.0", True), ("3.6.0", "2.5.2", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.0", False),
+    ("3.9.0", "2.5.2", False), ("3.6.0", "2.4.0rc1", True), ("3.10.0", "3.0.0", False)])
+def test_the_interpreter_blocker_names_triton_36_under_numpy_24(triton_version, numpy_version, blocked, monkeypatch):
+    import numpy
+    import triton
+
+    from swiglu_patch.kernels import device
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    device.interpreter_blocker.cache_clear()
+    try:
+        message = device.interpreter_blocker()
+    finally:
+        device.interpreter_blocker.cache_clear()
+    assert (message is not None) == blocked
+    if blocked:
+        assert f"Triton {triton_version}" in message and f"NumPy {numpy_version}" in message
+        assert "numpy<2.4" in message and "triton>=3.7" in message
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU error of an interpreter that cannot run the kernels")
+def test_triton_on_cpu_with_a_blocked_interpreter_names_the_fix(monkeypatch):
+    from swiglu_patch.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "interpreter_blocker", lambda: "Triton 3.6.0's interpreter cannot run under NumPy 2.4.0")
+    x, gate, up, _, _ = make_case(3, 16, 16, torch.float32, bias=False)
+    with pytest.raises(RuntimeError, match=r"gated_linear: backend='triton' on cpu tensors: Triton 3.6.0.*backend='torch'"):
+        gated_linear(x, pack_gate_up(gate, up), backend="triton")
+    gated_linear(x, pack_gate_up(gate, up), backend="torch")  # the PyTorch path is not blocked
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_strided_bias_is_read_correctly(backend):
     x, gate, up, bg, bu = make_case(7, 32, 40, KERNEL_DTYPES[-1], bias=True)

@@ -7,19 +7,18 @@ CPU the Triton kernels run under TRITON_INTERPRET=1, in fp32.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers import cpu_triton_refusal
+
 
 def train_backends() -> list:
     """pytest params for the backend a training test runs: "torch", and "triton" (slow under the
-    interpreter; skipped on a GPU machine, where these CPU-model tests cannot run it)."""
-    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        # these tests build CPU models; on a GPU machine the Triton path is tests/training's
-        return ["torch", pytest.param("triton", marks=pytest.mark.skip(
-            reason="builds CPU models: the Triton path on CPU needs TRITON_INTERPRET=1 (tests/training runs it "
-                   "on the GPU)"))]
+    interpreter; skipped where this process cannot run it on the CPU models these tests build,
+    `helpers.cpu_triton_refusal`)."""
+    refusal = cpu_triton_refusal()
+    if refusal:
+        return ["torch", pytest.param("triton", marks=pytest.mark.skip(reason=refusal))]
     return ["torch", pytest.param("triton", marks=pytest.mark.slow)]
 
 
