@@ -47,7 +47,7 @@ def preflight(model, config: EvalConfig, device: str | None = None, backend: str
 
 def check_backend(backend: str, device: str) -> None:
     """Raise EvalSetupError for the Triton backend off CUDA without Triton's interpreter, or with an
-    interpreter that cannot run the kernels (`kernels.device.interpreter_blocker`)."""
+    interpreter that cannot run the kernels (one tiny call of the op, which names why)."""
     if backend != "triton" or device.startswith("cuda"):
         return
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -55,11 +55,16 @@ def check_backend(backend: str, device: str) -> None:
             f"--backend triton on {device} needs Triton's interpreter: set TRITON_INTERPRET=1 (slow; with "
             "--dtype float32), run on a CUDA device, or use --backend auto (the PyTorch reference off CUDA)"
         )
-    from swiglu_patch.kernels.device import interpreter_blocker
+    import torch
 
-    blocker = interpreter_blocker()
-    if blocker:
-        raise EvalSetupError(f"--backend triton on {device}: {blocker}; or use --backend auto")
+    from swiglu_patch import gated_linear, pack_gate_up
+    from swiglu_patch.inputs import one_line
+
+    weight = torch.ones(16, 16)
+    try:  # one tiny call: the op names what keeps the interpreter from running the kernels
+        gated_linear(torch.ones(1, 16), pack_gate_up(weight, weight), backend="triton")
+    except RuntimeError as err:
+        raise EvalSetupError(f"--backend triton on {device}: {one_line(err)}; or use --backend auto") from None
 
 
 def _default_device() -> str:
