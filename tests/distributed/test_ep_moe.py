@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import interpreter_subprocess_env
-from training_stack.training_common import train_backends
+from training_stack.training_common import cpu_train_backends
 
 from swiglu_patch import apply_fused_mlp, unpatch
 from zoo.tiny_zoo import build
@@ -54,7 +54,7 @@ def _single(family: str, backend: str, path: Path) -> dict:
             if hasattr(model.config, "num_local_experts") else model.config.num_experts}
 
 
-@pytest.mark.parametrize("backend", train_backends())  # its single-process reference runs in this process
+@pytest.mark.parametrize("backend", cpu_train_backends())  # its single-process reference runs in this process
 def test_ep_moe_experts_fused(backend, tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the EP tests need it")

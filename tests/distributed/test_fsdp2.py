@@ -18,7 +18,7 @@ from distributed import fsdp2_common as common, launch
 import pytest
 import torch
 from helpers import rel_err, tiny_model
-from training_stack.training_common import token_batches, train_backends
+from training_stack.training_common import cpu_train_backends, token_batches
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -30,7 +30,7 @@ WORKER = Path(__file__).with_name("fsdp2_worker.py")
 BUDGET_S = 180  # measured ~25 s on 2 cores (torch backend)
 LR = 1e-2
 BATCHES = [b.tolist() for b in token_batches(2, 4, 12, 128)]  # two steps of [4, 12]; each rank takes [2, 12]
-BACKENDS = train_backends()
+BACKENDS = cpu_train_backends()
 # adapters on attention and on every MLP projection; random B (init_lora_weights=False) so the
 # first step's gradients of A are not zero; no dropout: each rank draws its own masks
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,

@@ -25,7 +25,7 @@ import pytest
 import torch
 from helpers import rel_err
 from peft import LoraConfig, PeftModel, get_peft_model
-from training_stack.training_common import token_batches, train_backends
+from training_stack.training_common import cpu_train_backends, token_batches
 from transformers import AutoModelForCausalLM
 
 from zoo.tiny_zoo import tiny_config
@@ -37,7 +37,7 @@ BUDGET_S = 300
 LR = 1e-2
 BATCHES = [b.tolist() for b in token_batches(2, 4, 10, 100)]  # two steps of [4, 10]; each rank takes [2, 10]
 PROBE = token_batches(1, 2, 7, 100, seed=2)[0].tolist()
-BACKENDS = train_backends()
+BACKENDS = cpu_train_backends()
 # adapters on the experts and on attention; random B (init_lora_weights=False) so the first
 # step's gradients of A are not zero; no dropout: each rank would draw its own masks
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False, target_modules=["q_proj", "v_proj"],

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import rel_err, tiny_model
 from peft import LoraConfig, get_peft_model
-from training_common import token_batches, train_backends
+from training_common import device_of, token_batches, train_backends
 
 from swiglu_patch import apply_fused_mlp
 from swiglu_patch.kernels.layout import interleave_gate_up
@@ -22,6 +22,7 @@ def grads(model, ids, mlp_calls: int = 1) -> dict[str, torch.Tensor]:
     mlp = next(m for name, m in model.named_modules() if name.endswith("layers.0.mlp"))
     calls = []
     handle = mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    ids = ids.to(next(model.parameters()).device)
     model.train()
     model.zero_grad(set_to_none=True)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -34,7 +35,7 @@ def grads(model, ids, mlp_calls: int = 1) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_full_fine_tuning_gradients(reentrant, backend):
     ids = token_batches(1, 2, 12, 128)[0]
-    base = tiny_model("llama")
+    base = tiny_model("llama", device=device_of(backend))
     ref = grads(copy.deepcopy(base), ids)
     model = copy.deepcopy(base)
     apply_fused_mlp(model, backend=backend)
@@ -56,7 +57,7 @@ def test_full_fine_tuning_gradients(reentrant, backend):
 def test_lora_gradients(reentrant, backend):
     ids = token_batches(1, 2, 12, 128)[0]
     config = dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
-    base = tiny_model("llama")
+    base = tiny_model("llama", device=device_of(backend))
     torch.manual_seed(0)
     ref = get_peft_model(copy.deepcopy(base), LoraConfig(**config))
     patched = copy.deepcopy(base)

@@ -1,6 +1,7 @@
 """`torch.compile` of a whole training step (forward, backward, AdamW step) on a patched model:
 the same losses and weights as the eager step, and as the unpatched model's. Inductor on CPU
-compiles for minutes on 2 cores, so one layer and three steps (marked slow)."""
+compiles for minutes on 2 cores, so one layer and three steps (marked slow). On a GPU machine the
+Triton cases run on CUDA (`training_common.device_of`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import copy
 import pytest
 import torch
 from helpers import rel_err, tiny_model
-from training_common import assert_losses_close, token_batches, train_backends
+from training_common import assert_losses_close, device_of, token_batches, train_backends
 
 from swiglu_patch import apply_fused_mlp, unpatch
 
@@ -28,14 +29,15 @@ def run(model, batches, compiled: bool) -> list[float]:
         return loss.detach()
 
     fn = torch.compile(step) if compiled else step
-    return [fn(ids).item() for ids in batches]
+    device = next(model.parameters()).device
+    return [fn(ids.to(device)).item() for ids in batches]
 
 
 @pytest.mark.parametrize("backend", train_backends())
 def test_compiled_training_step_matches_eager(backend):
     torch._dynamo.reset()
     batches = token_batches(3, 2, 12, 128)
-    base = tiny_model("llama", num_hidden_layers=1)
+    base = tiny_model("llama", device=device_of(backend), num_hidden_layers=1)
     ref = copy.deepcopy(base)
     ref_losses = run(ref, batches, compiled=False)
     model = copy.deepcopy(base)
@@ -56,7 +58,7 @@ def test_compiled_lora_step_matches_eager_plain_peft(backend):
 
     torch._dynamo.reset()
     batches = token_batches(3, 2, 12, 128)
-    base = tiny_model("llama", num_hidden_layers=1)
+    base = tiny_model("llama", device=device_of(backend), num_hidden_layers=1)
     config = dict(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
                   init_lora_weights=False)
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from convergence import CHAPTER, byte_batches, main, side_by_side
 from helpers import CUDA, tiny_model
-from training_common import assert_losses_close, train_backends
+from training_common import assert_losses_close, device_of, train_backends
 
 STEPS = 32
 
@@ -27,7 +27,7 @@ def test_tiny_model_losses_equal_unpatched(family, backend):
     text = CHAPTER.read_text(encoding="utf-8")  # ASCII: byte ids fit the tiny vocab of 128
     batches = byte_batches(text, STEPS, 4, 32)
     assert max(int(b.max()) for b in batches) < 128
-    eager, patched = side_by_side(tiny_model(family), batches, lr=3e-3, backend=backend)
+    eager, patched = side_by_side(tiny_model(family, device=device_of(backend)), batches, lr=3e-3, backend=backend)
     assert sum(patched[-4:]) < 0.7 * sum(patched[:4]), f"{family} did not learn: {patched}"
     assert_losses_close(patched, eager, 1e-5, f"{family}, {STEPS} steps")
 

@@ -3,7 +3,8 @@ unpatched model: training (losses, adapters, dropout masks), saved adapters, mer
 unload, several adapters, unpatching, and the refusals (QLoRA, DoRA, ...). The user's own LoraConfig
 in either order: no `swiglu_patch.lora.register`, no `adapters_aside` (except to unpatch).
 
-Tiny Llama (gate_proj/up_proj) and Phi-3 (one chunked gate_up_proj); fp32.
+Tiny Llama (gate_proj/up_proj) and Phi-3 (one chunked gate_up_proj); fp32; the Triton cases on CUDA on a GPU
+machine (`training_common.device_of`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from helpers import rel_err, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora.layer import Linear as LoraLinear
 from safetensors.torch import load_file
-from training_common import token_batches, train, train_backends
+from training_common import device_of, token_batches, train, train_backends
 
 from swiglu_patch import PatchError, apply_fused_mlp, unpatch
 from swiglu_patch.lora import PackedLoraLinear, adapters_aside, register
@@ -33,8 +34,9 @@ def lora_config(family: str, **overrides) -> LoraConfig:
 
 
 def peft_pair(family: str, order: str, backend: str = "torch", **overrides):
-    """(base, plain PEFT on the unpatched base, PEFT on a patched copy) with the same initial adapters."""
-    base = tiny_model(family)
+    """(base, plain PEFT on the unpatched base, PEFT on a patched copy) with the same initial adapters,
+    on `backend`'s device (`training_common.device_of`)."""
+    base = tiny_model(family, device=device_of(backend))
     torch.manual_seed(0)
     ref = get_peft_model(copy.deepcopy(base), lora_config(family, **overrides))
     ours = copy.deepcopy(base)
@@ -77,6 +79,7 @@ def test_training_matches_plain_peft(family, order, backend):
     ours.train()
     opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
     for step, ids in enumerate(batches):
+        ids = ids.to(device_of(backend))
         loss = ours(input_ids=ids, labels=ids).loss
         loss.backward()
         assert abs(loss.item() - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, loss.item(), ref_losses[step])
@@ -109,7 +112,7 @@ def test_lora_trains_through_the_fused_op(family, backend, monkeypatch):
         monkeypatch.setattr(dispatch_training, name, spy)
     _, _, ours = peft_pair(family, "patch_then_peft", backend)
     ours.train()
-    ids = token_batches(1, 2, 8, 128)[0]
+    ids = token_batches(1, 2, 8, 128)[0].to(device_of(backend))
     ours(input_ids=ids, labels=ids).loss.backward()
     layers = len(ours.base_model.model.model.layers)
     assert calls.count(("gated_gemm_low_rank", False, True)) == layers, calls
@@ -122,7 +125,7 @@ def test_lora_trains_through_the_fused_op(family, backend, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_saved_adapter_merge_and_unload_match_plain_peft(family, order, backend, tmp_path):
     base, ref, ours = peft_pair(family, order, backend, init_lora_weights=False)  # random A and B: a real update
-    ids = token_batches(1, 2, 9, 128)[0]
+    ids = token_batches(1, 2, 9, 128)[0].to(device_of(backend))
     ref.eval(), ours.eval()
     with torch.no_grad():
         ref_logits = ref(ids).logits

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from helpers import rel_err
-from training_common import assert_losses_close, token_batches, train_backends
+from training_common import assert_losses_close, device_of, token_batches, train_backends
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from swiglu_patch import apply_fused_mlp
@@ -22,12 +22,12 @@ from zoo.tiny_zoo import tiny_config
 STEPS = 4
 
 
-def tiny_moe(**overrides):
+def tiny_moe(device: str = "cpu", **overrides):
     """A tiny random Qwen3-MoE (the zoo's config, `overrides` on it) whose loss includes the router's
     auxiliary loss (coefficient 0.1: large enough that a wrong router gradient shows in the loss)."""
     config = tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.1, **overrides)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
 
 
 def patched(model, backend):
@@ -43,6 +43,7 @@ def train_with_aux(model, batches, lr=1e-2) -> list[tuple[float, float]]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     out = []
     for ids in batches:
+        ids = ids.to(model.device)
         result = model(input_ids=ids, labels=ids)
         result.loss.backward()
         opt.step()
@@ -58,14 +59,15 @@ def _close(ours, ref, what):
 
 @pytest.mark.parametrize("backend", train_backends())
 def test_trainer_trains_a_patched_moe_as_unpatched_and_saves_plain(backend, tmp_path):
-    base = tiny_moe()
+    device = device_of(backend)
+    base = tiny_moe(device)
     rows = torch.cat(token_batches(1, 16, 10, 100))
     data = [{"input_ids": r, "labels": r} for r in rows]
 
     def run(model, out, **extra):
         args = TrainingArguments(**(dict(
             output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=5e-3,
-            lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=True, seed=0,
+            lr_scheduler_type="constant", logging_steps=1, report_to=[], use_cpu=device == "cpu", seed=0,
             dataloader_num_workers=0, disable_tqdm=True, save_strategy="no") | extra))
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.train()
@@ -74,15 +76,15 @@ def test_trainer_trains_a_patched_moe_as_unpatched_and_saves_plain(backend, tmp_
     ref, _ = run(copy.deepcopy(base), tmp_path / "ref")
     ours, trainer = run(patched(base, backend), tmp_path / "ours", save_strategy="steps", save_steps=STEPS)
     assert_losses_close(ours, ref, 1e-5, "Trainer on a patched MoE vs unpatched")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / f"checkpoint-{STEPS}").eval()
-    ids = token_batches(1, 2, 9, 100)[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours" / f"checkpoint-{STEPS}").to(device).eval()
+    ids = token_batches(1, 2, 9, 100)[0].to(device)
     with torch.no_grad():
         assert rel_err(reloaded(ids).logits, trainer.model.eval()(ids).logits) < 1e-6
 
 
 @pytest.mark.parametrize("backend", train_backends())
 def test_gradient_checkpointing_trains_as_without(backend):
-    base = tiny_moe()
+    base = tiny_moe(device_of(backend))
     batches = token_batches(3, 2, 10, 100)
     ref = train_with_aux(copy.deepcopy(base), batches)
     model = patched(base, backend)
@@ -96,7 +98,7 @@ def test_gradient_checkpointing_trains_as_without(backend):
 def test_compiled_training_step_matches_eager(backend):
     """Forward, backward and AdamW step under one `torch.compile` (one layer: Inductor on 2 CPU cores is slow)."""
     torch._dynamo.reset()
-    base = tiny_moe(num_hidden_layers=1)
+    base = tiny_moe(device_of(backend), num_hidden_layers=1)
     batches = token_batches(3, 2, 10, 100)
 
     def run(model, compiled):
@@ -110,7 +112,7 @@ def test_compiled_training_step_matches_eager(backend):
             return result.loss.detach()
 
         fn = torch.compile(step) if compiled else step
-        return [fn(ids).item() for ids in batches]
+        return [fn(ids.to(model.device)).item() for ids in batches]
 
     ref = run(copy.deepcopy(base), compiled=False)
     assert_losses_close(run(patched(base, backend), compiled=True), ref, 1e-5, "compiled patched MoE step vs eager")

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 from helpers import rel_err, tiny_model
-from training_common import assert_losses_close, token_batches, train, train_backends
+from training_common import assert_losses_close, device_of, token_batches, train, train_backends
 
 from swiglu_patch import apply_fused_mlp, unpatch
 from swiglu_patch.optimizer import repoint_optimizer
@@ -25,7 +25,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("family,opt_name", [("llama", "adamw"), ("llama", "sgd"), ("phi3", "adamw")])
 def test_repointed_optimizer_continues_as_unpatched(family, opt_name, backend):
     batches = token_batches(6, 2, 12, 128)
-    ref = tiny_model(family, **({"mlp_bias": True} if family == "llama" else {}))  # packed biases move too
+    ref = tiny_model(family, device=device_of(backend), **({"mlp_bias": True} if family == "llama" else {}))  # packed biases move too
     model = copy.deepcopy(ref)
     ref_losses = train(ref, batches, optimizer=OPTIMIZERS[opt_name](ref.parameters()))
 

@@ -8,7 +8,7 @@ Both train as plain PEFT on the unpatched model: per-step losses to 1e-5 (relati
 adapter gradient to 1e-4, with the base weights fused and frozen and the adapters trainable under
 PEFT's names; TRL's SFTTrainer takes a patched model with `peft_config=` and trains as it trains
 the unpatched one. Tiny Llama, fp32, CPU; the "triton" backend runs the kernels under the
-interpreter (slow).
+interpreter (slow), or compiled on CUDA on a GPU machine.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers import rel_err, tiny_model
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from training_common import token_batches, train_backends
+from training_common import device_of, token_batches, train_backends
 
 from swiglu_patch import apply_fused_mlp
 from swiglu_patch.lora import PackedLoraLinear
@@ -35,8 +35,9 @@ def user_config() -> LoraConfig:
 
 
 def both_orders(order: str, backend: str):
-    """(plain PEFT on the unpatched model, the same adapters on a patched copy in `order`)."""
-    base = tiny_model("llama")
+    """(plain PEFT on the unpatched model, the same adapters on a patched copy in `order`), on
+    `backend`'s device (`training_common.device_of`)."""
+    base = tiny_model("llama", device=device_of(backend))
     torch.manual_seed(0)
     ref = get_peft_model(copy.deepcopy(base), user_config())
     ours = copy.deepcopy(base)
@@ -70,6 +71,7 @@ def test_either_order_trains_as_plain_peft(order, backend):
     ref.train(), ours.train()
     opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, ours)]
     for step, ids in enumerate(token_batches(4, 2, 12, 128)):
+        ids = ids.to(device_of(backend))
         losses = []
         for model, opt in zip((ref, ours), opts):
             torch.manual_seed(step)  # the same dropout masks (drawn in the same order: gate, up, down)

@@ -12,7 +12,7 @@ import torch
 from helpers import rel_err, tiny_model
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
-from training_common import assert_losses_close, token_batches, train_backends
+from training_common import assert_losses_close, device_of, token_batches, train_backends
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from swiglu_patch import apply_fused_mlp
@@ -26,10 +26,10 @@ def dataset(n=16, seq=12, vocab=128):
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def run_trainer(model, out, **overrides) -> tuple[list[float], Trainer]:
+def run_trainer(model, out, device: str = "cpu", **overrides) -> tuple[list[float], Trainer]:
     args = TrainingArguments(**(dict(
         output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=5e-3,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], use_cpu=device == "cpu", seed=0,
         dataloader_num_workers=0, disable_tqdm=True) | overrides))
     trainer = Trainer(model=model, args=args, train_dataset=dataset())
     trainer.train()
@@ -38,19 +38,20 @@ def run_trainer(model, out, **overrides) -> tuple[list[float], Trainer]:
 
 @pytest.mark.parametrize("backend", train_backends())
 def test_trainer_matches_unpatched_and_checkpoints_plain_keys(backend, tmp_path):
-    base = tiny_model("llama")
-    ref_losses, _ = run_trainer(copy.deepcopy(base), tmp_path / "ref")
+    device = device_of(backend)
+    base = tiny_model("llama", device=device)
+    ref_losses, _ = run_trainer(copy.deepcopy(base), tmp_path / "ref", device)
     model = copy.deepcopy(base)
     apply_fused_mlp(model, backend=backend)
-    losses, trainer = run_trainer(model, tmp_path / "ours", save_strategy="steps", save_steps=STEPS)
+    losses, trainer = run_trainer(model, tmp_path / "ours", device, save_strategy="steps", save_steps=STEPS)
     assert len(losses) == STEPS and losses[-1] < 0.9 * losses[0], f"the loss did not go down: {losses}"
     assert_losses_close(losses, ref_losses, 1e-5, "Trainer, patched vs unpatched")
 
     checkpoint = tmp_path / "ours" / f"checkpoint-{STEPS}"
     saved = load_file(checkpoint / "model.safetensors")
     assert saved.keys() == set(base.state_dict()) - {"lm_head.weight"} or saved.keys() == set(base.state_dict())
-    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
-    ids = token_batches(1, 2, 9, 128)[0]
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint).to(device).eval()
+    ids = token_batches(1, 2, 9, 128)[0].to(device)
     with torch.no_grad():
         assert rel_err(reloaded(ids).logits, trainer.model.eval()(ids).logits) < 1e-6
 
