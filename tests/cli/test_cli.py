@@ -194,14 +194,19 @@ def test_eval_missing_model_folder_is_named(tmp_path, capsys):
     assert not out.exists()
 
 
-def test_eval_triton_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def _eval_triton_on_cpu(tmp_path, capsys, *words):
+    """`eval --backend triton --device cpu` on an empty model folder: one line naming `words`, nothing written."""
     model = tmp_path / "model"
     model.mkdir()
     out = tmp_path / "out"
     argv = ["eval", "--model", model, "--text", __file__, "--backend", "triton", "--device", "cpu", "--output-dir", out]
-    assert_one_line_error(run_cli(argv, capsys), "--backend triton", "TRITON_INTERPRET=1", "--backend auto")
+    assert_one_line_error(run_cli(argv, capsys), *words)
     assert not out.exists()
+
+
+def test_eval_triton_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _eval_triton_on_cpu(tmp_path, capsys, "--backend triton", "TRITON_INTERPRET=1", "--backend auto")
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this process runs the compiled kernels, not the interpreter")
@@ -210,12 +215,7 @@ def test_eval_triton_on_cpu_with_a_blocked_interpreter(tmp_path, capsys, monkeyp
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(dispatch, "interpreter_blocker", lambda: "Triton 3.6.0's interpreter cannot run under NumPy 2.4.0")
-    model = tmp_path / "model"
-    model.mkdir()
-    out = tmp_path / "out"
-    argv = ["eval", "--model", model, "--text", __file__, "--backend", "triton", "--device", "cpu", "--output-dir", out]
-    assert_one_line_error(run_cli(argv, capsys), "--backend triton on cpu", "NumPy 2.4.0", "--backend auto")
-    assert not out.exists()
+    _eval_triton_on_cpu(tmp_path, capsys, "--backend triton on cpu", "NumPy 2.4.0", "--backend auto")
 
 
 @pytest.mark.parametrize("argv, words", [
