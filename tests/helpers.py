@@ -99,6 +99,8 @@ def interpreter_subprocess_env(**extra: str) -> dict[str, str]:
         pytest.skip(f"its subprocess runs the kernels in Triton's interpreter: {blocker}")
     return {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 ACTS = {"silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "gelu": F.gelu}
 EPS = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 KERNEL_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])

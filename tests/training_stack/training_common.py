@@ -24,12 +24,7 @@ def train_backends() -> list:
     """pytest params for the backend a training test runs: "torch", and "triton": on a GPU machine the
     compiled kernels, the test's models on CUDA (`device_of`); on CPU the interpreter (slow), skipped
     where it cannot run the kernels (`helpers.cpu_triton_refusal`)."""
-    if gpu_kernels():
-        return ["torch", "triton"]
-    refusal = cpu_triton_refusal()
-    if refusal:
-        return ["torch", pytest.param("triton", marks=pytest.mark.skip(reason=refusal))]
-    return ["torch", pytest.param("triton", marks=pytest.mark.slow)]
+    return ["torch", "triton"] if gpu_kernels() else cpu_train_backends()
 
 
 def cpu_train_backends() -> list:
