@@ -21,24 +21,21 @@ test to compare with single-process references.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before swiglu_patch imports triton
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from live_bytes import LiveBytes  # noqa: E402
-from swiglu_patch.kernels.epilogue import GatedEpilogue  # noqa: E402
-from swiglu_patch.patch import activation_of  # noqa: E402
-from swiglu_patch.probe import probe  # noqa: E402
-from swiglu_patch.registry import KNOWN_MLP_CLASSES  # noqa: E402
-from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch  # noqa: E402
+from live_bytes import LiveBytes
+from swiglu_patch.kernels.epilogue import GatedEpilogue
+from swiglu_patch.patch import activation_of
+from swiglu_patch.probe import probe
+from swiglu_patch.registry import KNOWN_MLP_CLASSES
+from swiglu_patch import FusedGatedMLP, PatchError, apply_fused_mlp, unpatch
 
 MLP_TOKENS = 64
 
