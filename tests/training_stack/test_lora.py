@@ -18,7 +18,7 @@ from helpers import rel_err, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora.layer import Linear as LoraLinear
 from safetensors.torch import load_file
-from training_common import device_of, token_batches, train, train_backends
+from training_common import device_of, token_batches, train_backends
 
 from swiglu_patch import PatchError, apply_fused_mlp, unpatch
 from swiglu_patch.lora import PackedLoraLinear, adapters_aside, register
@@ -73,18 +73,28 @@ def test_training_matches_plain_peft(family, order, backend):
     assert isinstance(fused.down_proj, LoraLinear) and not fused.gate_up_interleaved.requires_grad
     packed_before = fused.gate_up_interleaved.detach().clone()
     init = lora_params(ours)
-    batches = token_batches(4, 2, 12, 128)
-    ref_losses = train(ref, batches)
-    torch.manual_seed(0)
-    ours.train()
-    opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
-    for step, ids in enumerate(batches):
+    models = (ref, ours)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    for step, ids in enumerate(token_batches(4, 2, 12, 128)):
         ids = ids.to(device_of(backend))
-        loss = ours(input_ids=ids, labels=ids).loss
-        loss.backward()
-        assert abs(loss.item() - ref_losses[step]) <= 1e-5 * ref_losses[step], (step, loss.item(), ref_losses[step])
-        opt.step()
-        opt.zero_grad()
+        losses = []
+        for model in models:
+            model.train()
+            torch.manual_seed(step)  # the same dropout masks in both (drawn in the same order)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0], (step, losses)
+        ref_grads, our_grads = ({n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in models)
+        assert our_grads.keys() == ref_grads.keys()
+        for name, g in ref_grads.items():
+            if g.norm() == 0:  # lora_A at the first step: B is still zero
+                assert our_grads[name].norm() == 0, (step, name)
+            else:
+                assert rel_err(our_grads[name], g) < 1e-4, (step, name, rel_err(our_grads[name], g))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
     trained, ref_trained = lora_params(ours), lora_params(ref)
     assert trained.keys() == ref_trained.keys()
     for k in trained:
