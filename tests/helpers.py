@@ -84,17 +84,17 @@ def cpu_triton_refusal() -> str | None:
     return interpreter_blocker()
 
 
-def interpreter_subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment of a subprocess that runs the kernels on CPU under Triton's interpreter (CUDA
-    hidden, so on a GPU machine too), offline. Skips the calling test where the installed Triton's
-    interpreter cannot run the kernels (`interpreter_blocker`)."""
+def interpreter_subprocess_env(kernels: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs on CPU under Triton's interpreter (CUDA hidden, so on
+    a GPU machine too), offline. With `kernels` (the subprocess runs the Triton kernels), skips the
+    calling test where the installed Triton's interpreter cannot run them (`interpreter_blocker`)."""
     import os
 
     import pytest
 
     from swiglu_patch.kernels.device import interpreter_blocker
 
-    blocker = interpreter_blocker()
+    blocker = interpreter_blocker() if kernels else None
     if blocker:
         pytest.skip(f"its subprocess runs the kernels in Triton's interpreter: {blocker}")
     return {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -21,8 +21,8 @@ def test_dry_run_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "benchmarks.bench_tp", "--dry-run", "--out", str(tmp_path / "out"), "--rounds", "1",
            "--model-dir", str(tmp_path / "model"), "--commit", "abc123"]
-    done = subprocess.run(cmd, cwd=ROOT, env=interpreter_subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(cmd, cwd=ROOT, env=interpreter_subprocess_env(OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert data["settings"]["ranks"] == 2 and data["env"]["git"]["commit"] == "abc123"

@@ -32,7 +32,8 @@ def ranks_of(worker: Path, case: dict, out: Path, ranks: int, budget_s: int) -> 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the torchrun tests need it")
     (out / "case.json").write_text(json.dumps(case))
-    env = interpreter_subprocess_env(PYTHONPATH=os.pathsep.join([str(worker.parent.parent)] + sys.path))
+    env = interpreter_subprocess_env("triton" in case["backends"],
+                                     PYTHONPATH=os.pathsep.join([str(worker.parent.parent)] + sys.path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(worker),
            str(out / "case.json"), str(out)]
     try:

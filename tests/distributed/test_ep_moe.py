@@ -59,7 +59,7 @@ def test_ep_moe_experts_fused(backend, tmp_path):
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch build has no torch.distributed with the gloo backend; the EP tests need it")
     single = {f: _single(f, backend, tmp_path / f) for f in FAMILIES}
-    env = interpreter_subprocess_env(OMP_NUM_THREADS="1")
+    env = interpreter_subprocess_env(kernels=backend == "triton", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(tmp_path), backend, str(tmp_path), *FAMILIES]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

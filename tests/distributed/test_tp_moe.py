@@ -33,7 +33,7 @@ def test_tp_qwen3_moe_experts_fused(backend, tmp_path):
     single = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     with torch.no_grad():
         ref = single(torch.tensor(IDS)).logits
-    env = interpreter_subprocess_env()
+    env = interpreter_subprocess_env(kernels=backend == "triton")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
            str(tmp_path / "ckpt"), backend, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -13,21 +13,16 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from helpers import CUDA, rel_err, tiny_model
-from training_common import assert_losses_close, token_batches, train
+from helpers import rel_err, tiny_model
+from training_common import assert_losses_close, device_of, gpu_kernels, token_batches, train
 
 from swiglu_patch import apply_fused_mlp
-from swiglu_patch.kernels.device import interpreting
 from swiglu_patch.kernels.layout import interleave_gate_up
 
 EPS = 8e-3  # bf16, as helpers.EPS
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not CUDA or interpreting(), reason="Triton's CPU interpreter computes tl.dot on bf16 operands wrongly: bf16 runs "
-                                       "on the GPU's compiled kernels"))]
-
-
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "triton" else "cpu"
+    not gpu_kernels(), reason="Triton's CPU interpreter computes tl.dot on bf16 operands wrongly: bf16 runs on the "
+                              "GPU's compiled kernels"))]
 
 
 def logits_and_grads(model, ids, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
