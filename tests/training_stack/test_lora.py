@@ -1,5 +1,5 @@
 """PEFT LoRA on a patched model (`swiglu_patch.lora`), in both orders, against plain PEFT on the
-unpatched model: training (losses, adapters, dropout masks), saved adapters, merged weights,
+unpatched model: training (losses, gradients, dropout masks), saved adapters, merged weights,
 unload, several adapters, unpatching, and the refusals (QLoRA, DoRA, ...). The user's own LoraConfig
 in either order: no `swiglu_patch.lora.register`, no `adapters_aside` (except to unpatch).
 
@@ -66,7 +66,13 @@ def lora_params(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_training_matches_plain_peft(family, order, backend):
-    """Same losses, gradients and adapters as plain PEFT, step by step; dropout draws the same masks."""
+    """Plain PEFT trains 4 AdamW steps. At each step ours starts from plain PEFT's adapters and gives
+    the same loss and the same gradient in every adapter (1e-5), dropout drawing the same masks.
+
+    Ours is set to plain PEFT's adapters each step rather than left on its own trajectory: AdamW
+    divides each update by the gradient's running size, and where an element's gradient cancels
+    across steps it turns fp32's 1e-6 into 1e-4 in the adapter (docs/history.md `lora_dropout_gpu`).
+    Two free trajectories would test AdamW's conditioning, not the op."""
     _, ref, ours = peft_pair(family, order, backend)
     fused = mlp(ours)
     assert all(isinstance(getattr(fused, n), PackedLoraLinear) for n in PACKED[family])
@@ -74,9 +80,14 @@ def test_training_matches_plain_peft(family, order, backend):
     packed_before = fused.gate_up_interleaved.detach().clone()
     init = lora_params(ours)
     models = (ref, ours)
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models]
+    trainable = [{n: p for n, p in m.named_parameters() if p.requires_grad} for m in models]
+    assert trainable[1].keys() == trainable[0].keys()
+    opts = [torch.optim.AdamW(list(params.values()), lr=1e-2) for params in trainable]
     for step, ids in enumerate(token_batches(4, 2, 12, 128)):
         ids = ids.to(device_of(backend))
+        with torch.no_grad():
+            for name, p in trainable[1].items():
+                p.copy_(trainable[0][name])
         losses = []
         for model in models:
             model.train()
@@ -85,21 +96,19 @@ def test_training_matches_plain_peft(family, order, backend):
             loss.backward()
             losses.append(loss.item())
         assert abs(losses[1] - losses[0]) <= 1e-5 * losses[0], (step, losses)
-        ref_grads, our_grads = ({n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in models)
-        assert our_grads.keys() == ref_grads.keys()
-        for name, g in ref_grads.items():
+        for name, p in trainable[0].items():
+            g, ours_g = p.grad, trainable[1][name].grad
+            assert ours_g is not None, f"{name}: no gradient reached it"
             if g.norm() == 0:  # lora_A at the first step: B is still zero
-                assert our_grads[name].norm() == 0, (step, name)
+                assert ours_g.norm() == 0, (step, name)
             else:
-                assert rel_err(our_grads[name], g) < 1e-4, (step, name, rel_err(our_grads[name], g))
+                assert rel_err(ours_g, g) < 1e-5, (step, name, rel_err(ours_g, g))
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    trained, ref_trained = lora_params(ours), lora_params(ref)
-    assert trained.keys() == ref_trained.keys()
+    trained = lora_params(ours)
     for k in trained:
-        assert not torch.equal(trained[k], init[k]), f"{k} did not train: no gradient reached it"
-        assert rel_err(trained[k], ref_trained[k]) < 1e-5, f"{k}: {rel_err(trained[k], ref_trained[k]):.3g}"
+        assert not torch.equal(trained[k], init[k]), f"{k} did not train"
     assert torch.equal(fused.gate_up_interleaved, packed_before), "the frozen packed weight changed"
 
 
