@@ -29,9 +29,16 @@ Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and O
 
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
+    # the dry run's interpreter must be on before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +47,7 @@ import torch
 from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
-from .harness.cli import Parser, guarded, render_or_run, require_cuda
+from .harness.cli import Parser, guarded, render_or_run, require_device
 
 PROG = "python -m benchmarks.bench_moe"
 SCHEMA = 1
@@ -411,8 +418,8 @@ def render_markdown(data: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.render and not args.dry_run:
-        require_cuda(PROG)
+    if not args.render:
+        require_device(PROG, args.dry_run)
     return render_or_run(args, "moe", SCHEMA, run, render_markdown)
 
 

@@ -1,7 +1,7 @@
 """LoRA on one MoE experts block (forward + backward): the adapters inside our grouped GEMMs against PEFT's delta.
 
     python -m benchmarks.bench_moe_lora --out OUT [--shapes qwen3-30b-a3b] [--tokens 4096 16384] [--rank 16]
-    TRITON_INTERPRET=1 python -m benchmarks.bench_moe_lora --dry-run --out /tmp/moe_lora   # CPU, tiny, fp32
+    python -m benchmarks.bench_moe_lora --dry-run --out /tmp/moe_lora   # CPU, tiny, fp32
     python -m benchmarks.bench_moe_lora --render OUT/results.json                         # markdown only
 
 The experts module of a real model's shape as transformers builds it (`bench_moe.build_experts`,
@@ -26,8 +26,15 @@ OUT/results.json (GPU, versions, commit) after every way and OUT/results.md.
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
+
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
+    # the dry run's interpreter must be on before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
 import time
 from pathlib import Path
 
