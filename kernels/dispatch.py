@@ -7,17 +7,17 @@ Entry points and their ops (`OPS`: op -> its table in `rules.TABLES`, the featur
 `gated_gemm` "forward"; `gated_gemm_with_preact` "forward_preact" (stores P for the backward);
 `gated_gemm_low_rank` "forward_low_rank[_preact]" (LoRA); `gated_backward` "backward[_dh_in]".
 
-A call's candidates are the rules of its op's table matching its device, M bucket, K, I and
-capture state, in table order, whose kernel serves the table and has the op's features (the
-kernel file's ``CAPABILITY``, a `configs.KernelCapability`); the first whose ``can_run``
-accepts the tensors launches (each table ends with rules whose kernel runs every call). The
-launchers are built once per call signature and kept in one table of plain values, `_PLANS`
-(no tensors): a repeated call costs its checks, one dictionary lookup and the launch
+A call's candidates are the rules of its op's table matching its device, M bucket, K, I, rows per
+expert (experts ops) and capture state, in table order, whose kernel serves the table and has the
+op's features (the kernel file's ``CAPABILITY``, a `configs.KernelCapability`); the first whose
+``can_run`` accepts the tensors launches (each table ends with rules whose kernel runs every
+call). The launchers are built once per call signature and kept in one table of plain values,
+`_PLANS` (no tensors): a repeated call costs its checks, one dictionary lookup and the launch
 (`gated_gemm`, the inference hot path, checks its arguments only when it builds a plan); a call
-naming its kernel keeps that kernel's launcher there too. Rule
-bounds on M sit at bucket edges (`configs.m_bucket`; a test checks), so a plan per bucket is
-exact. A call that names its kernel or config takes `_forced`. `explain(..., op=)` says which
-rule a call takes and why each earlier one did not; `choose` returns it.
+naming its kernel keeps that kernel's launcher there too. Rule bounds on M sit at bucket edges
+(`configs.m_bucket`; a test checks), so a plan per bucket is exact. A call that names its kernel
+or config takes `_forced`. `explain(..., op=)` says which rule a call takes and why each earlier
+one did not; `choose` returns it.
 
 A new op family (grouped MoE GEMMs, say) needs no new dispatcher: kernel files whose
 ``CAPABILITY.ops`` names its table, with ``can_run`` and ``make_launcher``, listed in
@@ -58,8 +58,8 @@ OPS: dict[str, tuple[str, frozenset[str]]] = {  # op -> (its table in rules.TABL
     "experts_low_rank_preact": ("experts", frozenset({"low_rank", "store_preact"})),
     "experts_backward": ("experts_backward", frozenset()),  # `experts_backward.experts_backward`
 }
-__all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "explain",
-           "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreter_blocker",
+__all__ = ["MODULES", "OPS", "CallKey", "candidates", "check_operands", "choose", "default_approx_tanh", "expert_rows",
+           "explain", "gated_backward", "gated_gemm", "gated_gemm_low_rank", "gated_gemm_with_preact", "interpreter_blocker",
            "interpreting", "mismatch", "refusal", "resolve_approx_tanh"]
 
 
@@ -74,6 +74,14 @@ class CallKey:
     k: int
     i: int
     captured: bool
+    rows: int | None = None  # experts ops: mean rows per expert at the bucketed M (`expert_rows`); else None
+
+
+def expert_rows(m: int, num_experts: int, top_k: int) -> int:
+    """The experts ops' key of rows per expert: M's bucket times top_k over the experts (at least 1).
+    `num_experts` is the experts the weights hold (a rank's own under expert parallelism, so there
+    the count is high by the ranks' factor and the larger tiles' rules take the call)."""
+    return max(1, m_bucket(m) * top_k // num_experts)
 
 
 def mismatch(rule: Rule, key: CallKey) -> str | None:
@@ -85,7 +93,12 @@ def mismatch(rule: Rule, key: CallKey) -> str | None:
     if rule.min_capability and (key.capability is None or key.capability < rule.min_capability):
         need = ".".join(map(str, rule.min_capability))
         return f"needs compute capability {need}+, this is {key.capability or 'no GPU'}"
-    for name, (low, high), value in (("M", rule.m, key.m), ("K", rule.k, key.k), ("I", rule.i, key.i)):
+    if rule.rows != (None, None) and key.rows is None:
+        return "bounds the rows per expert: give the call's experts and top_k"
+    for name, (low, high), value in (("M", rule.m, key.m), ("K", rule.k, key.k), ("I", rule.i, key.i),
+                                     ("rows per expert", rule.rows, key.rows)):
+        if value is None:
+            continue
         if (low is not None and value < low) or (high is not None and value > high):
             return f"{name} = {value} is outside {low or ''}..{high or ''}"
     return None
@@ -177,12 +190,14 @@ def _forced(fn: str, op: str, key: CallKey, kernel: str, config: GatedGemmConfig
     return module, _fit_dtype(config, key.dtype)
 
 
-def _call_key(x: torch.Tensor, i: int, captured: bool) -> CallKey:
+def _call_key(x: torch.Tensor, i: int, captured: bool, experts: tuple[int, int] | None = None) -> CallKey:
+    """The call key of x [M, K]; `experts` (num_experts, top_k) for the experts ops."""
     m = m_bucket(x.shape[0])
+    rows = None if experts is None else expert_rows(x.shape[0], *experts)
     if x.is_cuda:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured)
-    return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured)
+        return CallKey(gpu_name(index), capability(index), x.dtype, m, x.shape[1], i, captured, rows)
+    return CallKey("cpu", None, x.dtype, m, x.shape[1], i, captured, rows)
 
 
 def gated_gemm(
@@ -403,7 +418,7 @@ def refusal(gpu: str, dtype: torch.dtype) -> str | None:
     return BF16_INTERPRETER if gpu == "cpu" and dtype == torch.bfloat16 else None
 
 
-def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed=False):
+def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed=False, experts=None):
     """(the call key, [(index, rule, why not or None)] up to the chosen rule, which comes last)."""
     if op not in OPS:
         raise ValueError(f"explain: op must be one of {tuple(OPS)}, got {op!r}")
@@ -411,7 +426,8 @@ def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transpose
     if why is not None:
         raise ValueError(f"{op} calls in {str(dtype).replace('torch.', '')} on {gpu} are refused: {why}")
     known = (9, 0) if any(h in gpu for h in ("H100", "H200", "H20", "GH200")) else None
-    key = CallKey(gpu, capability_ or known, dtype, m_bucket(m), k, i, captured)
+    rows = None if experts is None else expert_rows(m, *experts)
+    key = CallKey(gpu, capability_ or known, dtype, m_bucket(m), k, i, captured, rows)
     walk = []
     for n, rule in enumerate(TABLES[OPS[op][0]]):
         cap = MODULES[rule.kernel].CAPABILITY
@@ -427,29 +443,32 @@ def _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transpose
 
 def choose(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
            capability_: tuple[int, int] | None = None, tma_aligned: bool = True,
-           op: str = "forward", transposed: bool = False) -> tuple[int, Rule, GatedGemmConfig]:
+           op: str = "forward", transposed: bool = False,
+           experts: tuple[int, int] | None = None) -> tuple[int, Rule, GatedGemmConfig]:
     """(rule index, rule, config) a call of `op` takes: what its entry point runs, computed without tensors.
 
     gpu: the CUDA device name ("cpu": the interpreter); capability_: None for 9.0 on names with
     H100/H200/H20, else none; tma_aligned: whether the tensors meet TMA's alignment; transposed:
-    experts' weights in the transposed layout (gpt-oss's: op "experts" and its kin).
+    experts' weights in the transposed layout (gpt-oss's: op "experts" and its kin); experts:
+    (num_experts, top_k) of an experts call (None: rules bounding rows per expert are skipped).
 
     Raises:
         ValueError: an unknown op, or a call refused before any rule is read (`refusal`).
     """
-    _, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed)
+    _, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed, experts)
     n, rule, _ = walk[-1]
     return n, rule, _fit_dtype(rule.config, dtype)
 
 
 def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool = False,
             capability_: tuple[int, int] | None = None, tma_aligned: bool = True, op: str = "forward",
-            transposed: bool = False) -> str:
+            transposed: bool = False, experts: tuple[int, int] | None = None) -> str:
     """Which rule a call of `op` takes and why every earlier rule did not, as text (see `choose`)."""
-    key, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed)
+    key, walk = _walk(gpu, dtype, m, k, i, captured, capability_, tma_aligned, op, transposed, experts)
     lines = [f"{op} call: {gpu}, capability {key.capability}, {str(dtype).replace('torch.', '')}, M={m}, "
              f"K={k}, I={i}, {'captured into a CUDA graph' if captured else 'eager'}"
-             + (", transposed weights" if transposed else "")]
+             + (", transposed weights" if transposed else "")
+             + (f", {experts[0]} experts, top {experts[1]}: {key.rows} rows per expert (at M's bucket)" if experts else "")]
     width = max(len(name) for name in MODULES)
     for n, rule, why_not in walk[:-1]:
         lines.append(f"  rule {n:2d} {rule.kernel:{width}s} skipped: {why_not}")

@@ -108,7 +108,8 @@ def experts_forward(
     if tokens == 0:
         return out
     inter = (gate_up.shape[2] if layout.transposed else gate_up.shape[1]) // 2
-    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+                    (gate_up.shape[0], top_k_index.shape[1]))
     extras = (layout, gate_up_bias is not None, top_k_index.shape[1])
     return _launch(fn, "experts", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras,
                    (x, gate_up, down, layout),

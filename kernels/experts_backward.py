@@ -62,7 +62,8 @@ def experts_forward_with_preact(
     preact = x.new_empty((top_k_index.numel(), 2 * inter))
     if x.shape[0] == 0:
         return out, preact
-    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+                    (gate_up.shape[0], top_k_index.shape[1]))
     extras = (layout, gate_up_bias is not None, top_k_index.shape[1], True)
     _launch(fn, "experts_preact", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
             (x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, out, preact), kernel, config)
@@ -132,7 +133,8 @@ def experts_backward(
                  None if not has_bias else torch.zeros_like(gate_up_bias),
                  None if not has_bias else torch.zeros_like(down_bias), torch.zeros_like(top_k_weights))
         return tuple(g if n else None for g, n in zip(empty, needs))
-    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+                    (gate_up.shape[0], top_k_index.shape[1]))
     extras = (layout, has_bias, top_k_index.shape[1])
     return _launch(fn, "experts_backward", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
                    (dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs),

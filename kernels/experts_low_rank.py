@@ -110,7 +110,8 @@ def experts_low_rank_forward(
     x_lr, h_lr = (x.new_zeros((num_pairs, a.shape[1])) if a is not None else None  # sentinel pairs' rows stay 0
                   for a in (low_rank.gate_up_a, low_rank.down_a))
     if x.shape[0] > 0:
-        key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+        key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+                        (gate_up.shape[0], top_k_index.shape[1]))
         extras = (layout, gate_up_bias is not None, top_k_index.shape[1], store_preact, blocks)
         _launch(fn, "experts_low_rank_preact" if store_preact else "experts_low_rank", key, epilogue,
                 resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
@@ -176,7 +177,8 @@ def experts_low_rank_backward(
         likes = (x, gate_up, down, gate_up_bias, down_bias, top_k_weights) + tuple(low_rank[:2]) + tuple(low_rank[3:5])
         return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) if n else None
                      for t, n in zip(likes, needs))
-    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing())
+    key = _call_key(x, inter, x.is_cuda and torch.cuda.is_current_stream_capturing(),
+                    (gate_up.shape[0], top_k_index.shape[1]))
     extras = (layout, has_bias, top_k_index.shape[1], blocks)
     return _launch(fn, "experts_backward", key, epilogue, resolve_approx_tanh(x, approx_tanh, fn), extras, (x,),
                    (dout, x, top_k_index, top_k_weights, gate_up, down, gate_up_bias, down_bias, preact, needs[:6],

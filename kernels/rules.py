@@ -1,14 +1,15 @@
 """Which kernel runs a gated GEMM call, as data: an ordered table of rules, first match wins.
 
 One table per op (`TABLES`): `RULES` for the gated GEMM (the forward: inference, training's
-forward storing P, LoRA's low-rank forward), `BACKWARD_RULES` for training's backward GEMM.
-A rule names a kernel ("gemv", "pointer", "grid", "tma", ...: one file each in this package)
-and the config it runs with, and says which calls it is for: GPU name, compute capability, the
-ranges of M (tokens), K (hidden size) and I (intermediate size), and whether the call is
-being captured into a CUDA graph. `dispatch.py` takes the first rule that matches the call
-and whose kernel has the call's features and can run its tensors (dtype, alignment, whole
-gate/up blocks: the kernel file's CAPABILITY and `can_run`); the last rules of each table
-match every call, so there is always one. fp32 calls halve the chosen block_k (shared memory).
+forward storing P, LoRA's low-rank forward), `BACKWARD_RULES` for training's backward GEMM. A rule
+names a kernel ("gemv", "pointer", "grid", "tma", ...: one file each in this package) and the
+config it runs with, and says which calls it is for: GPU name, compute capability, the ranges of M
+(tokens), K (hidden size), I (intermediate size) and, in the experts tables, the mean rows per
+expert, and whether the call is being captured into a CUDA graph. `dispatch.py` takes the first
+rule that matches the call and whose kernel has the call's features and can run its tensors
+(dtype, alignment, whole gate/up blocks: the kernel file's CAPABILITY and `can_run`); the last
+rules of each table match every call, so there is always one. fp32 calls halve the chosen block_k
+(shared memory).
 
 `sweep` names the measurements that chose the rule, relative to benchmarks/results/; the
 per-rule numbers are in docs/performance.md. `swiglu-patch explain --m 16 --k 4096 --i 14336`
@@ -45,6 +46,8 @@ class Rule:
         gpus: substrings of the CUDA device name (any one must match); () any device.
         min_capability: the least compute capability, or None.
         m, k, i: inclusive (low, high) bounds on tokens, hidden size and intermediate size.
+        rows: experts tables: inclusive bounds on the mean rows per expert at M's bucket,
+            bucket(M) * top_k // num_experts (`dispatch.expert_rows`); a call without it skips the rule.
         captured: True only while a CUDA graph is being captured; None either way.
         sweep: result files (under benchmarks/results/) that chose this rule.
         why: one line on what it wins.
@@ -57,6 +60,7 @@ class Rule:
     m: tuple[int | None, int | None] = (None, None)
     k: tuple[int | None, int | None] = (None, None)
     i: tuple[int | None, int | None] = (None, None)
+    rows: tuple[int | None, int | None] = (None, None)
     captured: bool | None = None
     sweep: tuple[str, ...] = ()
     why: str = ""
@@ -238,6 +242,8 @@ EXPERTS_GEMV_CONFIG = EC(1, 8, 128, 1, 128, num_warps=8, num_stages=1, down_num_
 EXPERTS_GEMV_T2_CONFIG = EC(1, 16, 128, 1, 128, num_warps=2, num_stages=1, down_num_warps=4)
 EXPERTS_GEMV_TRANSPOSED_CONFIG = EC(1, 32, 64, 256, 8, num_warps=8, num_stages=1, down_num_warps=4, down_split_i=96)
 MOE_GEMV_TRANSPOSED = ("h100/moe/gemv_transposed/results.json",)
+MOE_H200_ROWS = ("h200/moe/prefill_tiles/results.json", "h200/moe/rows_per_expert/results.json",
+                 "h200/moe/ws_from_1024/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV,
          why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
@@ -270,6 +276,19 @@ EXPERTS_RULES: tuple[Rule, ...] = (
              "1.014x at T = 4-8, 1.017x at T = 64"),
     Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
          sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
+    Rule("experts_grouped", EC(64, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=4), H200, m=(513, None),
+         rows=(None, 32), sweep=MOE_H200_ROWS,
+         why="many experts per routed token (at most 32 rows per expert on average), past the 64-row rule's T: "
+             "64-row blocks, as 128-row ones are mostly padding there; on the H200, Qwen3.5-35B-A3B (256 experts, "
+             "top 8) 0.88x the 128-row tiles' time at T = 768 and 1024, 0.89x at 1536 (48 rows, the next bucket: "
+             "not taken), 1.00x at 2048 (64 rows); the 128-row tiles lead from 64 rows per expert on every shape"),
+    Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True,
+                               down_warp_specialized=True),
+         H200, m=(1025, 2048), sweep=MOE_H200_ROWS,
+         why="prefill on the H200 at T = 1025-2048: the Hopper rule below, its gated GEMM warp-specialized for "
+             "calls storing no P; 0.935-0.975x the one-program-per-tile kernels' time at T = 2048 on Qwen3-30B-A3B, "
+             "Qwen3.5-35B-A3B, OLMoE, Mixtral-8x7B and GLM-4.5-Air (1.00x on gpt-oss-20b, which it cannot take), "
+             "0.96-1.005x at T = 1024 (not taken)"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True,
                                warp_specialized_preact=True, down_warp_specialized=True),
          HOPPERS, m=(4096, None), sweep=MOE_GATED_WS + MOE_DOWN_WS + MOE_GATED_WS_PREACT,

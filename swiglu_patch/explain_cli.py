@@ -22,6 +22,7 @@ examples:
   swiglu-patch explain --op backward --m 4096 --k 4096 --i 14336   # training's backward GEMM
   swiglu-patch explain --op forward_preact --m 4096 --k 4096 --i 14336   # training's forward (stores P)
   swiglu-patch explain --op experts --m 1 --k 2880 --i 2880 --transposed   # gpt-oss's experts at decode
+  swiglu-patch explain --op experts --gpu "NVIDIA H200" --m 1024 --k 2048 --i 512 --experts 256 --top-k 8
 """
 
 
@@ -45,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="x, the weight or the output is not 16-byte aligned for TMA")
     parser.add_argument("--transposed", action="store_true",
                         help="experts ops: the weights are in the transposed layout (gpt-oss's [E, K, 2I])")
+    parser.add_argument("--experts", type=positive_int, default=None,
+                        help="experts ops: the experts the weights hold (with --top-k: rules on rows per expert)")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="experts ops: experts per token")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -58,6 +62,14 @@ def main(args: argparse.Namespace) -> int:
     if args.op not in OPS:
         print(f"swiglu-patch explain: error: --op must be one of {', '.join(OPS)}; got {args.op!r}", file=sys.stderr)
         return 2
+    if (args.experts is None) != (args.top_k is None):
+        print("swiglu-patch explain: error: --experts and --top-k go together (the rows per expert need both)",
+              file=sys.stderr)
+        return 2
+    if args.experts is not None and not args.op.startswith("experts"):
+        print(f"swiglu-patch explain: error: --experts and --top-k are for the experts ops, not {args.op!r}",
+              file=sys.stderr)
+        return 2
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     why = refusal(args.gpu, dtype)
     if why is not None:
@@ -65,5 +77,6 @@ def main(args: argparse.Namespace) -> int:
               f"no kernel runs them: {why}", file=sys.stderr)
         return 2
     print(explain(args.gpu, dtype, args.m, args.k, args.i, args.captured, tma_aligned=not args.unaligned,
-                  op=args.op, transposed=args.transposed))
+                  op=args.op, transposed=args.transposed,
+                  experts=None if args.experts is None else (args.experts, args.top_k)))
     return 0

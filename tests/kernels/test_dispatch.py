@@ -127,6 +127,44 @@ def test_explain_op_on_the_command_line(capsys):
     assert "pointer" in out.split("CHOSEN")[0].splitlines()[-1]
 
 
+def test_experts_rules_on_rows_per_expert(capsys):
+    """The experts tables may bound the mean rows per expert, bucket(T) * top_k // num_experts: on the
+    H200, 64-row tiles past T = 512 while that is at most 32 (Qwen3.5-35B-A3B: 256 experts, top 8), the
+    128-row tiles from 64 (Qwen3-30B-A3B: 128 experts); a call that gives no experts skips such a rule."""
+    from swiglu_patch.cli import main
+
+    assert [dispatch.expert_rows(t, 256, 8) for t in (1, 600, 1024, 1025, 8192)] == [1, 32, 32, 64, 256]
+    assert dispatch.expert_rows(1, 512, 1) == 1
+
+    def tiles(gpu, tokens, experts, op="experts"):
+        _, rule, config = dispatch.choose(gpu, torch.bfloat16, tokens, 2048, 512, op=op, experts=experts)
+        return config.block_m, config.warp_specialized, config.warp_specialized_preact
+
+    assert tiles(H200, 513, (256, 8))[0] == tiles(H200, 1024, (256, 8))[0] == 64
+    assert tiles(H200, 1024, (256, 8), op="experts_preact")[0] == 64
+    assert tiles(H200, 512, (256, 8))[0] == 64  # the 64-row rule by T, before it
+    assert tiles(H200, 1025, (256, 8))[0] == 128  # 64 rows per expert at the bucket
+    assert tiles(H200, 1024, (128, 8)) == (128, False, False)
+    assert tiles(H200, 1024, None) == (128, False, False)
+    assert tiles(H100, 1024, (256, 8)) == (128, False, False)  # measured on the H200 only
+    # the H200's warp-specialized prefill from T = 1025, its preact form from the Hopper rule at 2049
+    assert tiles(H200, 2048, (128, 8)) == (128, True, False) and tiles(H100, 2048, (128, 8)) == (128, False, False)
+    assert tiles(H200, 2049, (128, 8)) == (128, True, True)
+    text = dispatch.explain(H200, torch.bfloat16, 1024, 2048, 512, op="experts")
+    assert "bounds the rows per expert: give the call's experts and top_k" in text
+    text = dispatch.explain(H200, torch.bfloat16, 1024, 2048, 768, op="experts", experts=(128, 8))
+    assert "128 experts, top 8: 64 rows per expert" in text and "rows per expert = 64 is outside ..32" in text
+    argv = ["explain", "--op", "experts", "--gpu", H200, "--m", "1024", "--k", "2048", "--i", "512"]
+    assert main(argv + ["--experts", "256", "--top-k", "8"]) == 0
+    assert "CHOSEN: 64x(2*128)x64" in capsys.readouterr().out
+    for bad, says in ((["--experts", "256"], "go together"), (["--top-k", "8"], "go together")):
+        assert main(argv + bad) == 2
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1
+    assert main(["explain", "--m", "8", "--k", "64", "--i", "48", "--experts", "4", "--top-k", "2"]) == 2
+    assert "for the experts ops, not 'forward'" in capsys.readouterr().err
+
+
 def _kernel(gpu, m, name, captured=False, dtype=torch.bfloat16):
     i, k = SHAPES_KI[name]
     _, rule, config = dispatch.choose(gpu, dtype, m, k, i, captured)
