@@ -29,16 +29,9 @@ Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and O
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
-    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
-    # the dry run's interpreter must be on before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -37,15 +37,8 @@ and OUT/results.md.
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
-    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
-    # the dry run's interpreter must be on before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import argparse
+import sys
 import time
 from pathlib import Path
 

@@ -33,18 +33,12 @@ The training kernels' tile sweeps are `python -m benchmarks.tune --sweep backwar
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
-    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
-    # the dry run's interpreter must be on before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import contextlib
 import dataclasses
 import functools
 import gc
+import os
+import sys
 import time
 import traceback
 from pathlib import Path

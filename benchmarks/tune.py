@@ -35,17 +35,10 @@ from; the rule then cites the JSON in `sweep`).
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
-    # Triton chooses compiled or interpreted functions when it is imported (torch imports it):
-    # the dry run's interpreter must be on before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import argparse
 import dataclasses
 import math
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path

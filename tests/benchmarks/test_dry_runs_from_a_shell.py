@@ -1,8 +1,9 @@
 """Every benchmark's CPU dry run as benchmarks/README.md gives it, from a plain shell:
 `python -m benchmarks.<name> --dry-run --out DIR` with TRITON_INTERPRET unset exits 0 and writes
-its report under DIR. Where the interpreter is switched off by hand, the scripts that need it
-exit 2 with the fix, never a traceback. (The other tests call each script's `main` in a process
-whose interpreter `tests/conftest.py` has already switched on.)"""
+its report under DIR (`benchmarks/__init__.py` switches the interpreter on for it). Where the
+interpreter is switched off by hand, the scripts that need it exit 2 with the fix, never a
+traceback. (The other tests call each script's `main` in a process whose interpreter
+`tests/conftest.py` has already switched on.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from helpers import interpreter_subprocess_env
 ROOT = Path(__file__).parents[2]
 TORCHRUN = {"bench_tp", "bench_moe_parallel"}  # dry runs under torchrun: test_bench_tp.py, test_bench_moe_parallel.py
 DRY_RUNS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
-                  if '"--dry-run"' in p.read_text() and p.stem not in TORCHRUN)
+                  if not p.stem.startswith("_") and '"--dry-run"' in p.read_text() and p.stem not in TORCHRUN)
 NEEDS_INTERPRETER = [name for name in DRY_RUNS if "require_device(" in (ROOT / "benchmarks" / f"{name}.py").read_text()]
 
 
