@@ -22,7 +22,8 @@ around eager calls; the mode is recorded). Host time: one call from an idle devi
 (`harness.host_time.host_from_idle`). Loop: eager calls back to back, wall time per call with
 the device synchronized once per --loop-calls calls, the ways in turns (`harness.host_time.in_turns`):
 what an eager decode step waits for, host or GPU, whichever is longer. Floor: max(2 T k K 3I / matmul peak, bytes of the
-experts hit / 3.35 TB/s), the matmul peak measured in the same run.
+experts hit / HBM bandwidth), the matmul peak measured in the same run, the bandwidth the GPU's datasheet
+figure (`HBM_SPEC_TBPS`; measured as a read where the GPU is not listed).
 
 Writes OUT/results.json (GPU, versions, commit: `swiglu_patch.provenance`) and OUT/results.md.
 """
@@ -45,7 +46,7 @@ from .harness.cli import Parser, guarded, render_or_run, require_device
 PROG = "python -m benchmarks.bench_moe"
 SCHEMA = 1
 WAYS = ("ours", "grouped_mm", "batched_mm", "eager", "liger")
-HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 spec
+HBM_SPEC_TBPS = (("H100 PCIe", 2.0), ("H100 NVL", 3.9), ("H100", 3.35), ("H200", 4.8))  # NVIDIA datasheets, first match
 
 
 @dataclass(frozen=True)
@@ -233,11 +234,31 @@ def reference_f64(module, x, idx, w) -> torch.Tensor:
                              f64(getattr(module, "down_proj_bias", None)))
 
 
-def floor_us(shape: MoEShape, tokens: int, idx: torch.Tensor, matmul_flops: float, elem: int) -> float:
+def floor_us(shape: MoEShape, tokens: int, idx: torch.Tensor, matmul_flops: float, hbm_bytes_per_s: float,
+             elem: int) -> float:
     hit = int(torch.unique(idx).numel())
     weight_bytes = hit * 3 * shape.i * shape.k * elem
     flops = 2 * tokens * shape.top_k * shape.k * 3 * shape.i
-    return 1e6 * max(flops / matmul_flops, weight_bytes / HBM_BYTES_PER_S)
+    return 1e6 * max(flops / matmul_flops, weight_bytes / hbm_bytes_per_s)
+
+
+def hbm_bandwidth(device) -> tuple[float, str]:
+    """(bytes/s, where it comes from): the datasheet figure of the GPU's name in `HBM_SPEC_TBPS`, else a
+    read of 2 GiB (a sum) timed with CUDA events, which reaches less than a datasheet figure."""
+    name = torch.cuda.get_device_name(device)
+    for part, tbps in HBM_SPEC_TBPS:
+        if part in name:
+            return tbps * 1e12, f"{name}: datasheet"
+    buf = torch.ones(1 << 29, device=device, dtype=torch.float32)
+    for _ in range(3):
+        buf.sum()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        buf.sum()
+    end.record()
+    torch.cuda.synchronize()
+    return buf.numel() * buf.element_size() * 10 / (start.elapsed_time(end) * 1e-3), f"{name}: measured read"
 
 
 def measure_matmul_peak(device) -> float:
@@ -266,6 +287,7 @@ def run(args: argparse.Namespace) -> dict:
     ways = [w for w in args.ways if w != "liger" or _has_liger()]
     timer = None if dry else GraphTimer(rep_ms=args.rep_ms, rounds=3)
     peak = 1.0 if dry else measure_matmul_peak(device)
+    hbm, hbm_source = (1.0, "dry run") if dry else hbm_bandwidth(device)
     rows = []
     for shape in shapes:
         module = build_experts(shape, device, dtype, args.seed)
@@ -300,7 +322,7 @@ def run(args: argparse.Namespace) -> dict:
                         times = timer.many(fns)
                     row["us"] = {k: v * 1e6 for k, v in times.items()}
                     row["modes"] = dict(timer.modes)
-                    row["floor_us"] = floor_us(shape, tokens, idx, peak, x.element_size())
+                    row["floor_us"] = floor_us(shape, tokens, idx, peak, hbm, x.element_size())
                     if tokens <= 32 and args.host_calls:
                         host = host_from_idle({k: fns[k] for k in fns if k != "eager"}, args.host_calls, 4,
                                               synchronizer(device))
@@ -317,7 +339,8 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     return {"kind": "moe", "schema": SCHEMA, "environment": environment(device, args.commit), "dtype": str(dtype),
             "preact": args.preact,
-            "matmul_peak_tflops": peak / 1e12, "timer": None if dry else timer.describe(),
+            "matmul_peak_tflops": peak / 1e12, "hbm_tbps": hbm / 1e12, "hbm_source": hbm_source,
+            "timer": None if dry else timer.describe(),
             "shapes": {s.name: vars(s) for s in shapes}, "rows": rows}
 
 
@@ -369,7 +392,9 @@ def render_markdown(data: dict) -> str:
              f"GPU: {gpu.get('name')}; torch {versions.get('torch')}, triton {versions.get('triton')}, transformers "
              f"{versions.get('transformers')}, liger-kernel {versions.get('liger-kernel')}; {data['dtype']}; commit "
              f"{(env.get('git') or {}).get('commit')}.",
-             f"Timer: {data.get('timer')}. Matmul peak measured in the run: {data['matmul_peak_tflops']:.0f} TFLOP/s.", "",
+             f"Timer: {data.get('timer')}. Matmul peak measured in the run: {data['matmul_peak_tflops']:.0f} TFLOP/s. "
+             f"Floor's HBM bandwidth: {data.get('hbm_tbps', 3.35):.2f} TB/s "
+             f"({data.get('hbm_source', 'the H100 SXM datasheet, then on every GPU')}).", "",
              "Microseconds per experts block (median). best other: the fastest of transformers' ways and Liger. "
              "err: relative error against float64. host: microseconds of host time per call from an idle GPU."
              + (" ours: training's store-mode forward (P [T k, 2I] written too; `--preact`)." if data.get("preact")

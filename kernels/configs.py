@@ -95,6 +95,14 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 8192)
 
 
+def rows_bucket(m: int) -> int:
+    """The least of 2^k and 3 * 2^(k-1) that is >= m (at least 1), capped at 8192: half an octave
+    finer than `m_bucket`, for the experts ops' rows per expert (`dispatch.expert_rows`), where a
+    tile's padding turns within one of `m_bucket`'s buckets (48 against 64 rows per expert)."""
+    bucket = m_bucket(m)
+    return max(1, bucket * 3 // 4 if m <= bucket * 3 // 4 else bucket)
+
+
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for ints (triton.cdiv is a jit function: slow to call from the host's hot path)."""
     return -(-a // b)

@@ -34,7 +34,7 @@ import torch
 from . import (experts_backward_gemm, experts_gemm, experts_gemv, experts_gemv_transposed, gated_backward_pointer,
                gated_backward_split, gated_backward_tma, gated_backward_ws, gated_gemm_pointer, gated_gemm_tma,
                gated_gemm_tma_grid, gated_gemv)
-from .configs import GatedGemmConfig, m_bucket
+from .configs import GatedGemmConfig, m_bucket, rows_bucket
 from .device import capability, gpu_name, interpreter_blocker, interpreting
 from .epilogue import GatedEpilogue
 from .operands import (BF16_INTERPRETER, check_backward_operands, check_low_rank_operands, check_operands,
@@ -74,14 +74,15 @@ class CallKey:
     k: int
     i: int
     captured: bool
-    rows: int | None = None  # experts ops: mean rows per expert at the bucketed M (`expert_rows`); else None
+    rows: int | None = None  # experts ops: mean rows per expert at M's rows bucket (`expert_rows`); else None
 
 
 def expert_rows(m: int, num_experts: int, top_k: int) -> int:
-    """The experts ops' key of rows per expert: M's bucket times top_k over the experts (at least 1).
+    """The experts ops' key of rows per expert: `configs.rows_bucket(M)` (half an octave finer than
+    M's bucket) times top_k over the experts (at least 1).
     `num_experts` is the experts the weights hold (a rank's own under expert parallelism, so there
     the count is high by the ranks' factor and the larger tiles' rules take the call)."""
-    return max(1, m_bucket(m) * top_k // num_experts)
+    return max(1, rows_bucket(m) * top_k // num_experts)
 
 
 def mismatch(rule: Rule, key: CallKey) -> str | None:
@@ -468,7 +469,8 @@ def explain(gpu: str, dtype: torch.dtype, m: int, k: int, i: int, captured: bool
     lines = [f"{op} call: {gpu}, capability {key.capability}, {str(dtype).replace('torch.', '')}, M={m}, "
              f"K={k}, I={i}, {'captured into a CUDA graph' if captured else 'eager'}"
              + (", transposed weights" if transposed else "")
-             + (f", {experts[0]} experts, top {experts[1]}: {key.rows} rows per expert (at M's bucket)" if experts else "")]
+             + (f", {experts[0]} experts, top {experts[1]}: {key.rows} rows per expert (at M's rows bucket)"
+                if experts else "")]
     width = max(len(name) for name in MODULES)
     for n, rule, why_not in walk[:-1]:
         lines.append(f"  rule {n:2d} {rule.kernel:{width}s} skipped: {why_not}")

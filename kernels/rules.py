@@ -46,8 +46,8 @@ class Rule:
         gpus: substrings of the CUDA device name (any one must match); () any device.
         min_capability: the least compute capability, or None.
         m, k, i: inclusive (low, high) bounds on tokens, hidden size and intermediate size.
-        rows: experts tables: inclusive bounds on the mean rows per expert at M's bucket,
-            bucket(M) * top_k // num_experts (`dispatch.expert_rows`); a call without it skips the rule.
+        rows: experts tables: inclusive bounds on the mean rows per expert,
+            rows_bucket(M) * top_k // num_experts (`dispatch.expert_rows`); a call without it skips the rule.
         captured: True only while a CUDA graph is being captured; None either way.
         sweep: result files (under benchmarks/results/) that chose this rule.
         why: one line on what it wins.
@@ -243,7 +243,7 @@ EXPERTS_GEMV_T2_CONFIG = EC(1, 16, 128, 1, 128, num_warps=2, num_stages=1, down_
 EXPERTS_GEMV_TRANSPOSED_CONFIG = EC(1, 32, 64, 256, 8, num_warps=8, num_stages=1, down_num_warps=4, down_split_i=96)
 MOE_GEMV_TRANSPOSED = ("h100/moe/gemv_transposed/results.json",)
 MOE_H200_ROWS = ("h200/moe/prefill_tiles/results.json", "h200/moe/rows_per_expert/results.json",
-                 "h200/moe/ws_from_1024/results.json")
+                 "h200/moe/ws_from_1024/results.json", "h200/moe/rows_48/results.json")
 EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_gemv", EXPERTS_GEMV_CONFIG, m=(None, 1), sweep=MOE_GEMV,
          why="one token: two launches and one allocation, no routing prep (the grouped path: four launches, six "
@@ -277,11 +277,12 @@ EXPERTS_RULES: tuple[Rule, ...] = (
     Rule("experts_grouped", EC(64, 64, 128, 64, 128, group_m=8, num_warps=4, num_stages=3), m=(65, 512),
          sweep=MOE, why="tens of rows per expert: 64-row blocks; 1.019x the best at T = 256"),
     Rule("experts_grouped", EC(64, 128, 64, 128, 64, group_m=8, num_warps=4, num_stages=4), H200, m=(513, None),
-         rows=(None, 32), sweep=MOE_H200_ROWS,
-         why="many experts per routed token (at most 32 rows per expert on average), past the 64-row rule's T: "
-             "64-row blocks, as 128-row ones are mostly padding there; on the H200, Qwen3.5-35B-A3B (256 experts, "
-             "top 8) 0.88x the 128-row tiles' time at T = 768 and 1024, 0.89x at 1536 (48 rows, the next bucket: "
-             "not taken), 1.00x at 2048 (64 rows); the 128-row tiles lead from 64 rows per expert on every shape"),
+         rows=(None, 48), sweep=MOE_H200_ROWS,
+         why="many experts per routed token (at most 48 rows per expert on average), past the 64-row rule's T: "
+             "64-row blocks, as 128-row ones are mostly padding there; on the H200, 0.88x the 128-row tiles' time on "
+             "Qwen3.5-35B-A3B (256 experts, top 8) at T = 768 and 1024, 0.92x at 1152 and 1536 (48 rows); 0.90x on "
+             "Qwen3-30B-A3B and GLM-4.5-Air (128 experts, top 8) at T = 640 and 768 (40-48 rows); the 128-row tiles "
+             "lead from 64 rows per expert (1.00x at 64 rows, 1.13-1.16x at 72)"),
     Rule("experts_grouped", EC(128, 128, 64, 128, 64, group_m=8, num_warps=8, num_stages=3, warp_specialized=True,
                                down_warp_specialized=True),
          H200, m=(1025, 2048), sweep=MOE_H200_ROWS,

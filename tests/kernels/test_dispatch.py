@@ -127,24 +127,38 @@ def test_explain_op_on_the_command_line(capsys):
     assert "pointer" in out.split("CHOSEN")[0].splitlines()[-1]
 
 
+def test_rows_bucket_is_half_an_octave_inside_m_bucket():
+    """rows_bucket(m): the least of 2^k and 3 * 2^(k-1) at or above m, capped as m_bucket is."""
+    from swiglu_patch.kernels.configs import rows_bucket
+
+    assert [rows_bucket(m) for m in (0, 1, 2, 3, 4, 5, 7, 600, 768, 769, 1024, 1025, 1536, 1537, 8192, 9000)] == \
+        [1, 1, 2, 3, 4, 6, 8, 768, 768, 1024, 1024, 1536, 1536, 2048, 8192, 8192]
+    for m in range(1, 9000):
+        assert min(m, 8192) <= rows_bucket(m) <= m_bucket(m), m
+        assert rows_bucket(m) <= rows_bucket(m + 1), m
+
+
 def test_experts_rules_on_rows_per_expert(capsys):
-    """The experts tables may bound the mean rows per expert, bucket(T) * top_k // num_experts: on the
-    H200, 64-row tiles past T = 512 while that is at most 32 (Qwen3.5-35B-A3B: 256 experts, top 8), the
-    128-row tiles from 64 (Qwen3-30B-A3B: 128 experts); a call that gives no experts skips such a rule."""
+    """The experts tables may bound the mean rows per expert, rows_bucket(T) * top_k // num_experts: on the
+    H200, 64-row tiles past T = 512 while that is at most 48 (Qwen3.5-35B-A3B: 256 experts, top 8, to
+    T = 1536; Qwen3-30B-A3B: 128 experts, to T = 768), the 128-row tiles from 64; a call that gives no
+    experts skips such a rule."""
     from swiglu_patch.cli import main
 
-    assert [dispatch.expert_rows(t, 256, 8) for t in (1, 600, 1024, 1025, 8192)] == [1, 32, 32, 64, 256]
+    assert [dispatch.expert_rows(t, 256, 8) for t in (1, 600, 1024, 1025, 1536, 1537, 8192)] == \
+        [1, 24, 32, 48, 48, 64, 256]
     assert dispatch.expert_rows(1, 512, 1) == 1
 
     def tiles(gpu, tokens, experts, op="experts"):
         _, rule, config = dispatch.choose(gpu, torch.bfloat16, tokens, 2048, 512, op=op, experts=experts)
         return config.block_m, config.warp_specialized, config.warp_specialized_preact
 
-    assert tiles(H200, 513, (256, 8))[0] == tiles(H200, 1024, (256, 8))[0] == 64
+    assert tiles(H200, 513, (256, 8))[0] == tiles(H200, 1024, (256, 8))[0] == tiles(H200, 1536, (256, 8))[0] == 64
     assert tiles(H200, 1024, (256, 8), op="experts_preact")[0] == 64
     assert tiles(H200, 512, (256, 8))[0] == 64  # the 64-row rule by T, before it
-    assert tiles(H200, 1025, (256, 8))[0] == 128  # 64 rows per expert at the bucket
-    assert tiles(H200, 1024, (128, 8)) == (128, False, False)
+    assert tiles(H200, 1537, (256, 8)) == (128, True, False)  # 64 rows per expert: the warp-specialized prefill
+    assert tiles(H200, 768, (128, 8))[0] == 64  # 48 rows per expert
+    assert tiles(H200, 769, (128, 8)) == tiles(H200, 1024, (128, 8)) == (128, False, False)  # 64
     assert tiles(H200, 1024, None) == (128, False, False)
     assert tiles(H100, 1024, (256, 8)) == (128, False, False)  # measured on the H200 only
     # the H200's warp-specialized prefill from T = 1025, its preact form from the Hopper rule at 2049
@@ -153,7 +167,7 @@ def test_experts_rules_on_rows_per_expert(capsys):
     text = dispatch.explain(H200, torch.bfloat16, 1024, 2048, 512, op="experts")
     assert "bounds the rows per expert: give the call's experts and top_k" in text
     text = dispatch.explain(H200, torch.bfloat16, 1024, 2048, 768, op="experts", experts=(128, 8))
-    assert "128 experts, top 8: 64 rows per expert" in text and "rows per expert = 64 is outside ..32" in text
+    assert "128 experts, top 8: 64 rows per expert" in text and "rows per expert = 64 is outside ..48" in text
     argv = ["explain", "--op", "experts", "--gpu", H200, "--m", "1024", "--k", "2048", "--i", "512"]
     assert main(argv + ["--experts", "256", "--top-k", "8"]) == 0
     assert "CHOSEN: 64x(2*128)x64" in capsys.readouterr().out
