@@ -18,9 +18,8 @@ experts:
 
 - up to `KERNEL_PAIRS` pairs, one program of `_expert_blocks_kernel`: a histogram, a bitonic sort
   of expert * 2^b + pair, two prefix sums, scattered stores (one launch). One program sorts what
-  one chunk of the chunked kernels sorts, so past a chunk the chunks' parallel programs win: at
-  4096 pairs (128 experts, H100) one program took 79 us of GPU time, the chunked kernels 17 us;
-- past that, chunks of `CHUNK_PAIRS` pairs (`expert_blocks_chunked`, two launches, one program
+  the chunked kernels sort in parallel, so past a few hundred pairs their programs win;
+- past that, chunks of `chunk_pairs(S)` pairs (`expert_blocks_chunked`, two launches, one program
   per chunk): `_chunk_counts_kernel` stores each chunk's histogram [chunks, BLOCK_E] int32;
   `_chunk_scatter_kernel` sums those into every expert's padded rows and the pairs of earlier
   chunks, sorts its chunk like the one-program kernel and stores each pair at its expert's first
@@ -28,6 +27,19 @@ experts:
   a share of the padding slots and of block_expert;
 - `expert_blocks_torch`: the same in torch ops (a sort and some twenty small ops, each a launch
   on the GPU), for more experts than the kernels' histogram holds, and the tests' reference.
+
+The chunk trades the sort (longer chunks, fewer programs) against every program summing every
+chunk's histogram (more chunks): about `CHUNKS` chunks of 128 to 1024 pairs. On one H200 (CUDA
+graphs of 20 calls, 128 experts, top 8, unless named), µs of GPU time a call:
+
+    pairs                      one program   chunks of 1024   the chunk chosen
+    512 (T = 64)                       6.0             17.2        (one program)
+    1024 (T = 128)                    12.9             18.2        6.2 (128)
+    6144 (T = 768)                       -             16.5        8.8 (128)
+    12288 (T = 1536, 256 experts)        -             24.1       15.9 (256)
+    32768 (T = 4096)                     -             18.0       13.0 (512)
+    131072 (T = 16384)                   -             20.8       20.8 (1024)
+    8192 (T = 4096, 8 experts, top 2)    -             11.6        4.9 (128)
 """
 
 from __future__ import annotations
@@ -39,9 +51,10 @@ import triton.language as tl
 from .configs import ceil_div
 from .launcher import FastLaunch
 
-KERNEL_PAIRS = 1024
+KERNEL_PAIRS = 512
 KERNEL_EXPERTS = 1023
-CHUNK_PAIRS = 1024
+CHUNKS = 64  # chunks the chunked kernels aim at
+CHUNK_PAIRS = (128, 1024)  # the least and the most pairs of a chunk
 _FILL = 1024  # padding slots one program writes per step
 _PAD = 16  # padding slots per expert written per step (an expert has fewer than BLOCK_M)
 _BLOCKS = 32  # block_expert entries one program writes per step
@@ -51,6 +64,12 @@ def _pow2(n: int) -> int:
     """The least power of 2 >= n (n >= 1), in plain Python: triton.next_power_of_2 is a
     constexpr function, some microseconds per call on the host's hot path."""
     return 1 << (n - 1).bit_length()
+
+
+def chunk_pairs(num_pairs: int) -> int:
+    """Pairs per chunk of `expert_blocks_chunked` for `num_pairs` pairs: the power of 2 that makes
+    about `CHUNKS` chunks, within `CHUNK_PAIRS`."""
+    return min(CHUNK_PAIRS[1], max(CHUNK_PAIRS[0], _pow2(ceil_div(num_pairs, CHUNKS))))
 
 
 def capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -205,10 +224,11 @@ def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 def expert_blocks_chunked(top_k_index: torch.Tensor, num_experts: int, block_m: int,
-                          chunk: int = CHUNK_PAIRS) -> tuple[torch.Tensor, torch.Tensor]:
-    """`expert_blocks` in chunks of `chunk` pairs (a power of 2), two launches for any number of
-    pairs; at most `KERNEL_EXPERTS` experts."""
+                          chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_blocks` in chunks of `chunk` pairs (a power of 2; None: `chunk_pairs`), two launches
+    for any number of pairs; at most `KERNEL_EXPERTS` experts."""
     num_pairs = top_k_index.numel()
+    chunk = chunk_pairs(num_pairs) if chunk is None else chunk
     if num_experts > KERNEL_EXPERTS or chunk & (chunk - 1):
         raise ValueError(f"expert_blocks_chunked: at most {KERNEL_EXPERTS} experts and a power-of-2 chunk, got "
                          f"{num_experts} experts and chunk {chunk}; use expert_blocks_torch")

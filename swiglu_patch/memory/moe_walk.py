@@ -192,11 +192,12 @@ def _masked_copy(ls, name: str, nbytes: int, where: str) -> None:
 
 def _experts_fused(walk, tag: str, _weights: str) -> str:
     """swiglu-patch's grouped experts (`kernels/experts.experts_forward`); returns the [T, K] output's name."""
+    from swiglu_patch.kernels.experts_routing import KERNEL_EXPERTS
     ls, m, T, K, e = walk.ls, walk.s.moe, walk.M, walk.s.hidden_size, walk.e
     S, E, w, n = T * m.top_k, m.num_experts, f"{tag}: fused experts", lambda s: f"{tag}.{s}"
     block_m = experts_block_m(T)
     rows = -(-(S + min(S, E) * (block_m - 1)) // block_m) * block_m
-    torch_path = S > _KERNEL_PAIRS or E > _KERNEL_EXPERTS
+    torch_path = E > KERNEL_EXPERTS  # its sorted_pairs has a spare slot
     ls.alloc(n("out"), T * K * e, "hidden", f"{w} output")
     ls.alloc(n("sorted_pairs"), (rows + torch_path) * _I64, "mlp", f"{w} pairs sorted into expert blocks")
     ls.alloc(n("block_expert"), rows // block_m * _I64, "mlp", f"{w} expert of each block")
@@ -204,10 +205,6 @@ def _experts_fused(walk, tag: str, _weights: str) -> str:
     ls.alloc(n("y"), S * K * e, "mlp", f"{w} grouped down * routing weight")
     ls.free(n("h"), n("y"), n("sorted_pairs"), n("block_expert"))
     return n("out")
-
-
-# `kernels/experts_routing`: the one-program routing kernel's limits (the torch ops past them)
-_KERNEL_PAIRS, _KERNEL_EXPERTS = 4096, 1023
 
 
 def experts_block_m(tokens: int) -> int:

@@ -79,6 +79,29 @@ def test_past_kernel_pairs_the_chunked_kernels_run(monkeypatch):
     assert (out.double() - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
 
+def test_chunk_pairs_aims_at_64_chunks_of_128_to_1024_pairs():
+    chunk_pairs = experts_routing.chunk_pairs
+    assert [chunk_pairs(s) for s in (513, 1024, 6144, 8192, 12288, 32768, 131072, 10 ** 7)] == \
+        [128, 128, 128, 128, 256, 512, 1024, 1024]
+
+
+def test_from_513_pairs_the_chunked_kernels_run_on_the_chosen_chunk(monkeypatch):
+    chunks = []
+    chunked = experts_routing.expert_blocks_chunked
+
+    def spy(index, *args, **kwargs):
+        chunks.append(kwargs.get("chunk"))
+        return chunked(index, *args, **kwargs)
+
+    monkeypatch.setattr(experts_routing, "expert_blocks_chunked", spy)
+    small = _index(64, 128, 8, "uniform")  # 512 pairs: the one-program kernel
+    _same(expert_blocks(small, 128, 64), expert_blocks_torch(small, 128, 64))
+    assert chunks == []
+    index = _index(100, 128, 8, "empty_expert")  # 800 pairs: 7 chunks of 128, the last one short
+    _same(expert_blocks(index, 128, 64), expert_blocks_torch(index, 128, 64))
+    assert chunks == [None]  # None: chunk_pairs(800) = 128
+
+
 def test_chunked_refuses_what_it_cannot_hold():
     index = _index(4, 3, 1, "uniform")
     with pytest.raises(ValueError, match="power-of-2 chunk"):
