@@ -209,6 +209,14 @@ def expert_blocks(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
         return expert_blocks_torch(top_k_index, num_experts, block_m)
     if num_pairs > KERNEL_PAIRS:
         return expert_blocks_chunked(top_k_index, num_experts, block_m)
+    return expert_blocks_one_program(top_k_index, num_experts, block_m)
+
+
+def expert_blocks_one_program(top_k_index: torch.Tensor, num_experts: int,
+                              block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_blocks` as one program of `_expert_blocks_kernel` (one launch), for 1 to a few thousand
+    pairs (its sort holds them all) and at most `KERNEL_EXPERTS` experts."""
+    num_pairs = top_k_index.numel()
     block_s = _pow2(num_pairs)
     block_e = _pow2(num_experts + 1)
     rows = capacity(num_pairs, num_experts, block_m)

@@ -55,6 +55,8 @@ def test_chunked_kernels_give_the_torch_layout(t, e, top_k, block_m, chunk, skew
 def test_the_one_program_kernel_gives_the_torch_layout(skew):
     index = _index(53, 9, 8, skew)
     _same(expert_blocks(index, 9, 64), expert_blocks_torch(index, 9, 64))
+    index = _index(75, 128, 8, skew)  # 600 pairs, past KERNEL_PAIRS: what bench_routing times it at
+    _same(experts_routing.expert_blocks_one_program(index, 128, 64), expert_blocks_torch(index, 128, 64))
 
 
 def test_past_kernel_pairs_the_chunked_kernels_run(monkeypatch):
