@@ -12,7 +12,7 @@ pairs are at most --one-program-max. Every way's (sorted_pairs, block_expert) is
 element for element, to `expert_blocks_torch`'s before it is timed; a way that differs fails the run.
 
 Timing: `harness.timing.GraphTimer` (CUDA-graph replays, L2 flushed before every timed call, the ways
-of a row interleaved). Writes OUT/results.json (GPU, versions, commit) and OUT/results.md.
+of a row interleaved). Writes OUT/results.json (GPU, versions, commit) after every row and OUT/results.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from swiglu_patch.inputs import positive_int
 from swiglu_patch.provenance import environment
 
 from .bench_moe import MOE_SHAPES, TINY, routing
-from .harness.cli import Parser, guarded, render_or_run, require_device
+from .harness.cli import Parser, guarded, render_or_run, require_device, write_json
 
 PROG = "python -m benchmarks.bench_routing"
 SCHEMA = 1
@@ -102,10 +102,17 @@ def run(args: argparse.Namespace) -> dict:
             if not dry:
                 row["us"] = {k: v * 1e6 for k, v in timer.many(fns).items()}
             rows.append(row)
+            # after every row: a run cut by a time limit keeps what it measured
+            write_json(result(args, device, timer, chunks, rows), args.out / "results.json")
             print(f"{shape.name} T={tokens} pairs={row['pairs']}: "
                   + " ".join(f"{k}={v:.1f}" for k, v in row["us"].items()), flush=True)
+    return result(args, device, timer, chunks, rows)
+
+
+def result(args: argparse.Namespace, device: str, timer, chunks: list[int], rows: list[dict]) -> dict:
+    """The results JSON's object for the rows measured so far."""
     return {"kind": "routing", "schema": SCHEMA, "environment": environment(device, args.commit),
-            "timer": None if dry else timer.describe(), "chunks": chunks, "rows": rows}
+            "timer": None if timer is None else timer.describe(), "chunks": chunks, "rows": rows}
 
 
 def render_markdown(data: dict) -> str:

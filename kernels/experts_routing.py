@@ -29,17 +29,23 @@ experts:
   on the GPU), for more experts than the kernels' histogram holds, and the tests' reference.
 
 The chunk trades the sort (longer chunks, fewer programs) against every program summing every
-chunk's histogram (more chunks): about `CHUNKS` chunks of 128 to 1024 pairs. On one H200 (CUDA
-graphs of 20 calls, 128 experts, top 8, unless named), µs of GPU time a call:
+chunk's histogram (more chunks): about `CHUNKS` chunks of 128 to 1024 pairs. On one H200 at
+a239b8f (`python -m benchmarks.bench_routing --out A --commit a239b8f`, CUDA graphs, L2 flushed;
+the run was cut at its 280 s limit in the Mixtral-8x7B rows and wrote no file, a cut that run
+keeps since), µs a call, Qwen3-30B-A3B (128 experts, top 8) and in brackets Qwen3.5-35B-A3B
+(256 experts):
 
-    pairs                      one program   chunks of 1024   the chunk chosen
-    512 (T = 64)                       6.0             17.2        (one program)
-    1024 (T = 128)                    12.9             18.2        6.2 (128)
-    6144 (T = 768)                       -             16.5        8.8 (128)
-    12288 (T = 1536, 256 experts)        -             24.1       15.9 (256)
-    32768 (T = 4096)                     -             18.0       13.0 (512)
-    131072 (T = 16384)                   -             20.8       20.8 (1024)
-    8192 (T = 4096, 8 experts, top 2)    -             11.6        4.9 (128)
+    pairs     one program    chunks of 1024    chosen (chunk)      best
+    512       9.8 (11.4)     21.7 (25.9)       9.8 (11.4) (one)    9.8 (11.4)
+    1024      16.0 (19.5)    23.6 (36.5)       12.1 (19.4) (128)   12.0 (18.5)
+    2048      47.2 (53.2)    24.5 (44.5)       12.0 (18.5) (128)   12.0 (18.4)
+    6144      -              23.7 (38.4)       13.5 (19.6) (128)   12.7 (19.4)
+    12288     -              24.4 (37.6)       15.2 (19.7) (256)   15.2 (19.7)
+    32768     -              24.2 (42.8)       17.0 (28.7) (512)   17.0 (28.7)
+    131072    -              27.1 (46.0)       26.9 (45.8) (1024)  26.9 (45.8)
+
+Before, the one program ran to 1024 pairs and chunks were 1024 pairs: the choice now takes
+0.42-1.00x that time (0.57x and 0.51x at 6144 pairs), within 1.07x the best way timed on every row.
 """
 
 from __future__ import annotations
