@@ -31,9 +31,9 @@ experts:
 The chunk trades the sort (longer chunks, fewer programs) against every program summing every
 chunk's histogram (more chunks): about `CHUNKS` chunks of 128 to 1024 pairs. On one H200 at
 a239b8f (`python -m benchmarks.bench_routing --out A --commit a239b8f`, CUDA graphs, L2 flushed;
-the run was cut at its 280 s limit in the Mixtral-8x7B rows and wrote no file, a cut that run
-keeps since), µs a call, Qwen3-30B-A3B (128 experts, top 8) and in brackets Qwen3.5-35B-A3B
-(256 experts):
+cut at its 280 s limit in the Mixtral-8x7B rows, before the script wrote its JSON row by row, so
+these are its printed lines), µs a call, Qwen3-30B-A3B (128 experts, top 8) and in brackets
+Qwen3.5-35B-A3B (256 experts):
 
     pairs     one program    chunks of 1024    chosen (chunk)      best
     512       9.8 (11.4)     21.7 (25.9)       9.8 (11.4) (one)    9.8 (11.4)
