@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 REPO = BENCH.parent
 TOP_LEVEL = {"bench_mlp", "bench_e2e", "bench_host", "tune", "summarize", "accuracy_gemma3", "bench_train",
-             "bench_train_step", "bench_tp", "bench_lora", "bench_moe", "bench_e2e_moe", "bench_moe_train", "bench_moe_train_step", "bench_moe_lora",
+             "bench_train_step", "bench_tp", "bench_lora", "bench_moe", "bench_routing", "bench_e2e_moe", "bench_moe_train", "bench_moe_train_step", "bench_moe_lora",
              "bench_moe_parallel"}
 
 
