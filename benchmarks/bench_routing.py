@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     for shape in shapes:
         for tokens in tokens_list:
             idx, _ = routing(shape, tokens, "uniform", device, args.seed)
-            _, _, config = dispatch.choose(gpu, torch.float32 if dry else torch.bfloat16, tokens, shape.k, shape.i, op="experts",
+            dtype = torch.float32 if dry else torch.bfloat16  # the interpreter refuses bf16 calls
+            _, _, config = dispatch.choose(gpu, dtype, tokens, shape.k, shape.i, op="experts",
                                            experts=(shape.experts, shape.top_k), transposed=shape.gpt_oss)
             fns = ways(idx, shape.experts, config.block_m, chunks, args.one_program_max)
             ref = expert_blocks_torch(idx, shape.experts, config.block_m)
